@@ -1,0 +1,188 @@
+"""Model configuration for Llama-family targets.
+
+One frozen dataclass covers Llama 2 / 3.x, Mistral, Qwen2 / 2.5, Qwen3 and SmolLM2: the
+architectures differ only in a handful of switches (biases, q/k norms, head_dim, tied
+embeddings, rope scaling). Being frozen and hashable, a config is a valid static jit argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+
+class ConfigError(ValueError):
+    """A model config names an unsupported architecture or holds an invalid field."""
+
+
+# model_type -> architecture switches that differ from plain Llama.
+_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {"qkv_bias": True},
+    "qwen3": {"qk_norm": True},
+}
+SUPPORTED_ARCHITECTURES = tuple(_ARCH_DEFAULTS)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters; `kind` is 'default', 'linear' or 'llama3'."""
+
+    theta: float = 10000.0
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+    # Per-frequency divisors stored explicitly (GGUF llama3 files carry `rope_freqs`).
+    freq_factors: tuple[float, ...] | None = None
+
+    def __post_init__(self):
+        if self.kind not in ("default", "linear", "llama3"):
+            raise ConfigError(
+                f"rope scaling type {self.kind!r} is not supported (supported: default, linear, llama3)"
+            )
+        if self.theta <= 0:
+            raise ConfigError(f"rope_theta must be positive, got {self.theta}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2: biases on q, k, v
+    o_bias: bool = False  # Llama `attention_bias=True` also biases o_proj
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before rope
+    max_position: int = 4096
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.arch not in _ARCH_DEFAULTS:
+            raise ConfigError(
+                f"unsupported architecture {self.arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"config field {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any], source: str = "config.json") -> "ModelConfig":
+        """Builds a config from a Hugging Face `config.json` dict (transformers 4.x or 5.x)."""
+        model_type = hf.get("model_type")
+        if model_type not in _ARCH_DEFAULTS:
+            archs = hf.get("architectures")
+            raise ConfigError(
+                f"{source}: unsupported architecture model_type={model_type!r} architectures={archs!r}"
+                f" (supported model_type: {', '.join(SUPPORTED_ARCHITECTURES)})"
+            )
+        # transformers >= 5 nests text fields under text_config for some families; not needed here.
+
+        def need(key):
+            if key not in hf:
+                raise ConfigError(f"{source}: missing required field {key!r}")
+            return hf[key]
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        head_dim = hf.get("head_dim") or hidden // heads
+        switches = dict(_ARCH_DEFAULTS[model_type])
+        if hf.get("attention_bias"):
+            switches["qkv_bias"] = True
+            if model_type in ("llama", "mistral"):
+                switches["o_bias"] = True
+        if hf.get("mlp_bias"):
+            raise ConfigError(f"{source}: mlp_bias=true is not supported")
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        return cls(
+            arch=model_type,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope=rope_from_hf(hf, source),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position=int(hf.get("max_position_embeddings", 4096)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            **switches,
+        )
+
+
+def rope_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> RopeConfig:
+    """Reads rope settings from either layout.
+
+    transformers < 5: `rope_theta` at the top level and an optional `rope_scaling` dict.
+    transformers >= 5: one `rope_parameters` dict holding `rope_theta` and `rope_type`.
+    """
+    params = hf.get("rope_parameters")
+    if isinstance(params, Mapping) and "rope_theta" not in params and params:
+        # Per-layer-type dicts (e.g. {"full_attention": {...}}): all Llama-family layers share one.
+        params = next(iter(params.values()))
+    scaling = dict(params or hf.get("rope_scaling") or {})
+    theta = scaling.get("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    try:
+        return RopeConfig(
+            theta=float(theta),
+            kind=kind,
+            factor=float(scaling.get("factor", 1.0)),
+            low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+            original_max_position=int(scaling.get("original_max_position_embeddings", 8192)),
+        )
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int):
+    """Inverse frequencies [head_dim // 2] as float64 numpy, with scaling applied."""
+    import numpy as np
+
+    inv = 1.0 / (rope.theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    if rope.kind == "linear":
+        inv = inv / rope.factor
+    elif rope.kind == "llama3":
+        low_wavelen = rope.original_max_position / rope.low_freq_factor
+        high_wavelen = rope.original_max_position / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        scaled = np.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        mid = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(is_mid, mid, scaled)
+    if rope.freq_factors is not None:
+        factors = np.asarray(rope.freq_factors, dtype=np.float64)
+        if factors.shape != inv.shape:
+            raise ConfigError(f"rope_freqs has shape {factors.shape}, expected {inv.shape}")
+        inv = inv / factors
+    return inv

@@ -1,0 +1,220 @@
+"""Llama-family decoder in Flax NNX with stacked layer params and a scan over layers.
+
+Covers Llama 2 / 3.x, Mistral, Qwen2 / 2.5, Qwen3 and SmolLM2 (see `ModelConfig`). The forward pass
+takes new tokens for each row, writes their keys / values into the KV cache past the row's committed
+length, and attends through `pallas_kernels.tree_attention` with a causal or tree mask, so prefill,
+plain decode and tree verification are one code path.
+
+Run it functionally: `graphdef, state = nnx.split(model)` once, then inside jit
+`nnx.merge(graphdef, state)(...)` (see `eagle_jax.engine`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle_jax.config import ModelConfig, rope_inv_freq
+from eagle_jax.kv_cache import KVCache, write_rows
+from pallas_kernels import tree_attention
+
+
+def rms_norm(x, weight, eps):
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def apply_rope(x, positions, inv_freq):
+    """Rotary embedding in the rotate-half layout (the Hugging Face convention). x [B,T,H,D]."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _inv_freq(rope, head_dim):
+    # Derived from the (hashable) config, so it is a trace-time constant, not a parameter.
+    return np.asarray(rope_inv_freq(rope, head_dim), np.float32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ForwardOutput:
+    logits: jax.Array | None  # [B, V] at `logits_at`, or [B, T, V]
+    hidden: jax.Array  # [B, T, H] final normed hidden state (what feeds the lm_head)
+    captured: jax.Array | None  # [C, B, T, H] residual stream after each layer in capture_layers
+    cache: KVCache
+
+
+def causal_mask(t: int):
+    return jnp.tril(jnp.ones((t, t), dtype=bool))
+
+
+class Layers(nnx.Module):
+    """All decoder layers' parameters, stacked on a leading layer axis."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        L, H, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+        qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        init = nnx.initializers.normal(0.02)
+
+        def w(*shape):
+            return nnx.Param(init(rngs.params(), shape, dtype))
+
+        def ones(*shape):
+            return nnx.Param(jnp.ones(shape, dtype))
+
+        def zeros(*shape):
+            return nnx.Param(jnp.zeros(shape, dtype))
+
+        self.attn_norm = ones(L, H)
+        self.wq, self.wk, self.wv = w(L, H, qd), w(L, H, kd), w(L, H, kd)
+        self.wo = w(L, qd, H)
+        if cfg.qkv_bias:
+            self.bq, self.bk, self.bv = zeros(L, qd), zeros(L, kd), zeros(L, kd)
+        if cfg.o_bias:
+            self.bo = zeros(L, H)
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = ones(L, cfg.head_dim), ones(L, cfg.head_dim)
+        self.mlp_norm = ones(L, H)
+        self.w_gate, self.w_up = w(L, H, F), w(L, H, F)
+        self.w_down = w(L, F, H)
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
+        self.layers = Layers(cfg, rngs=rngs, dtype=dtype)
+        self.final_norm = nnx.Param(jnp.ones((cfg.hidden_size,), dtype))
+        if not cfg.tie_embeddings:
+            self.lm_head = nnx.Param(
+                nnx.initializers.normal(0.02)(rngs.params(), (cfg.hidden_size, cfg.vocab_size), dtype)
+            )
+
+    # --- pieces the speculative engine and draft heads reuse -------------------------------------
+    def embed_tokens(self, tokens):
+        return jnp.take(self.embed.value, tokens, axis=0)
+
+    def lm_head_weight(self):
+        """[H, V] output projection (the transposed embedding when tied)."""
+        return self.embed.value.T if self.cfg.tie_embeddings else self.lm_head.value
+
+    def logits(self, hidden):
+        return jnp.einsum("...H,HV->...V", hidden, self.lm_head_weight(), preferred_element_type=jnp.float32)
+
+    # --- forward ---------------------------------------------------------------------------------
+    def __call__(
+        self,
+        tokens,  # [B, T] int32
+        cache: KVCache,
+        *,
+        positions=None,  # [B, T]; default lengths + arange(T)
+        tree_mask=None,  # [B, T, T] bool; default causal
+        capture_layers: Sequence[int] = (),
+        logits_at=None,  # [B] index into T to compute logits for; None = all T; False = no logits
+    ) -> ForwardOutput:
+        cfg = self.cfg
+        b, t = tokens.shape
+        if positions is None:
+            positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        if tree_mask is None:
+            tree_mask = jnp.broadcast_to(causal_mask(t), (b, t, t))
+        x = self.embed_tokens(tokens)  # [B, T, H]
+        lengths = cache.lengths
+        inv_freq = jnp.asarray(_inv_freq(cfg.rope, cfg.head_dim))
+        p = self.layers
+        layer_params = {name: var.value for name, var in vars(p).items() if isinstance(var, nnx.Variable)}
+        capture = jnp.asarray(tuple(capture_layers) or (-1,), jnp.int32)  # [C]
+        eps = cfg.rms_norm_eps
+
+        def layer(carry, xs):
+            x, ck, cv, buf = carry
+            lp, i = xs
+            h = rms_norm(x, lp["attn_norm"], eps)
+            q = jnp.einsum("BTH,HQ->BTQ", h, lp["wq"])
+            k = jnp.einsum("BTH,HQ->BTQ", h, lp["wk"])
+            v = jnp.einsum("BTH,HQ->BTQ", h, lp["wv"])
+            if cfg.qkv_bias:
+                q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+            q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
+            k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+            v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+            if cfg.qk_norm:
+                q = rms_norm(q, lp["q_norm"], eps)
+                k = rms_norm(k, lp["k_norm"], eps)
+            q = apply_rope(q, positions, inv_freq)
+            k = apply_rope(k, positions, inv_freq)
+            k_layer = write_rows(jax.lax.dynamic_index_in_dim(ck, i, keepdims=False), k, lengths)
+            v_layer = write_rows(jax.lax.dynamic_index_in_dim(cv, i, keepdims=False), v, lengths)
+            ck = jax.lax.dynamic_update_index_in_dim(ck, k_layer, i, 0)
+            cv = jax.lax.dynamic_update_index_in_dim(cv, v_layer, i, 0)
+            attn = tree_attention(q, k_layer, v_layer, lengths, tree_mask)  # [B, T, Hq, D]
+            o = jnp.einsum("BTQ,QH->BTH", attn.reshape(b, t, -1), lp["wo"])
+            if cfg.o_bias:
+                o = o + lp["bo"]
+            x = x + o
+            h = rms_norm(x, lp["mlp_norm"], eps)
+            gate = jnp.einsum("BTH,HF->BTF", h, lp["w_gate"])
+            up = jnp.einsum("BTH,HF->BTF", h, lp["w_up"])
+            x = x + jnp.einsum("BTF,FH->BTH", jax.nn.silu(gate) * up, lp["w_down"])
+            if capture_layers:
+                buf = jnp.where((capture == i)[:, None, None, None], x[None], buf)
+            return (x, ck, cv, buf), None
+
+        buf = jnp.zeros((len(capture_layers), b, t, cfg.hidden_size), x.dtype) if capture_layers else None
+        (x, ck, cv, buf), _ = jax.lax.scan(
+            layer, (x, cache.k, cache.v, buf), (layer_params, jnp.arange(cfg.num_layers))
+        )
+        hidden = rms_norm(x, self.final_norm.value, eps)
+        if logits_at is False:
+            logits = None
+        elif logits_at is None:
+            logits = self.logits(hidden)
+        else:
+            logits = self.logits(jnp.take_along_axis(hidden, logits_at[:, None, None], axis=1)[:, 0])
+        return ForwardOutput(logits, hidden, buf, cache.replace(k=ck, v=cv))
+
+    def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        cfg = self.cfg
+        return KVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype or self.dtype)
+
+
+def param_shapes(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """Flat parameter path -> shape, without allocating anything."""
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    _, state = nnx.split(abstract)
+    return {tuple(str(k) for k in path): tuple(v.shape) for path, v in nnx.to_flat_state(state)}
+
+
+def from_arrays(cfg: ModelConfig, arrays: dict[tuple[str, ...], np.ndarray], dtype=jnp.float32,
+                sharding=None) -> Transformer:
+    """Builds a model whose parameters are exactly `arrays` (flat path -> array).
+
+    Shapes must already be checked by the caller (the loader does, with file and tensor names).
+    """
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+    graphdef, state = nnx.split(abstract)
+    flat = nnx.to_flat_state(state)
+    leaves = []
+    for path, var in flat:
+        key = tuple(str(k) for k in path)
+        arr = np.asarray(arrays[key])
+        value = jax.device_put(jnp.asarray(arr, dtype=dtype), sharding) if sharding else jnp.asarray(arr, dtype)
+        leaves.append((path, var.replace(value)))
+    return nnx.merge(graphdef, nnx.from_flat_state(leaves))
+
+
+def random_model(cfg: ModelConfig, seed: int = 0, dtype=jnp.float32) -> Transformer:
+    return Transformer(cfg, rngs=nnx.Rngs(seed), dtype=dtype)

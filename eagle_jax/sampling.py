@@ -1,0 +1,108 @@
+"""Per-row sampling parameters and the logits processing shared by plain and speculative decoding.
+
+Every row of a batch carries its own temperature, top-k, top-p and seed as arrays, so requests with
+different settings share one compiled step. Temperature 0 means greedy. The random key for a row at
+sequence position p is fold_in(PRNGKey(seed), p): a row samples the same tokens whatever batch it is
+in and whichever engine (plain or speculative) produced its prefix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["temperature", "top_k", "top_p", "seed"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    temperature: jax.Array  # [B] f32; 0 = greedy
+    top_k: jax.Array  # [B] int32; 0 = off
+    top_p: jax.Array  # [B] f32; 1 = off
+    seed: jax.Array  # [B] uint32
+
+    @classmethod
+    def make(cls, batch: int, temperature=0.0, top_k=0, top_p=1.0, seed=0) -> "SamplingParams":
+        def col(v, dtype):
+            a = np.asarray(v, dtype=dtype)
+            return np.broadcast_to(a, (batch,)).copy() if a.ndim == 0 else a
+
+        p = cls(col(temperature, np.float32), col(top_k, np.int32), col(top_p, np.float32),
+                col(np.asarray(seed, np.int64) % (2**32), np.uint32))
+        validate(p)
+        return p
+
+    def pad_to(self, batch: int) -> "SamplingParams":
+        n = len(self.temperature)
+        pad = lambda a, v: np.concatenate([np.asarray(a), np.full((batch - n,), v, np.asarray(a).dtype)])
+        return SamplingParams(pad(self.temperature, 0.0), pad(self.top_k, 0), pad(self.top_p, 1.0),
+                              pad(self.seed, 0))
+
+
+def validate(p: SamplingParams) -> None:
+    t, k, tp = np.asarray(p.temperature), np.asarray(p.top_k), np.asarray(p.top_p)
+    if not np.all(np.isfinite(t)) or np.any(t < 0):
+        raise ValueError(f"temperature must be a finite number >= 0, got {t.tolist()}")
+    if np.any(k < 0):
+        raise ValueError(f"top_k must be >= 0 (0 disables it), got {k.tolist()}")
+    if not np.all(np.isfinite(tp)) or np.any(tp <= 0) or np.any(tp > 1):
+        raise ValueError(f"top_p must be in (0, 1], got {tp.tolist()}")
+
+
+def row_keys(seed, positions):
+    """One PRNG key per row, derived from its seed and the sequence position being sampled."""
+    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(seed, positions)
+
+
+def filter_logits(logits, params: SamplingParams):
+    """Temperature, top-k then top-p applied to logits [B, ..., V] (f32). Excluded tokens get -inf.
+
+    Rows with temperature 0 are returned unscaled (their argmax is what matters).
+    """
+    logits = logits.astype(jnp.float32)
+    extra = logits.ndim - 2
+    bshape = (-1,) + (1,) * (extra + 1)
+    t = params.temperature.reshape(bshape)
+    scaled = jnp.where(t > 0, logits / jnp.where(t > 0, t, 1.0), logits)
+    k = params.top_k.reshape(bshape)
+    top_p = params.top_p.reshape(bshape)
+    vocab = logits.shape[-1]
+
+    def truncate(x):
+        srt = -jnp.sort(-x, axis=-1)  # descending
+        idx = jnp.arange(vocab)
+        srt_k = jnp.where((k > 0) & (idx >= k), -jnp.inf, srt)
+        kth = jnp.where(k > 0, jnp.take_along_axis(srt, jnp.clip(k - 1, 0, vocab - 1), axis=-1), -jnp.inf)
+        probs = jax.nn.softmax(srt_k, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each sorted token
+        keep = jnp.sum((before < top_p) & (srt_k > -jnp.inf), axis=-1, keepdims=True)  # >= 1
+        pth = jnp.take_along_axis(srt_k, jnp.maximum(keep - 1, 0), axis=-1)
+        pth = jnp.where(top_p < 1.0, pth, -jnp.inf)
+        return jnp.where(x < jnp.maximum(kth, pth), -jnp.inf, x)
+
+    # Sorting the vocabulary is the costly part; skip it when no row asks for truncation.
+    needed = jnp.any((params.top_k > 0) | (params.top_p < 1.0))
+    return jax.lax.cond(needed, truncate, lambda x: x, scaled)
+
+
+def sample(logits, params: SamplingParams, positions):
+    """Next token per row from logits [B, V]; greedy rows take the argmax."""
+    filtered = filter_logits(logits, params)
+    keys = row_keys(params.seed, positions)
+    drawn = jax.vmap(jax.random.categorical)(keys, filtered)
+    greedy = jnp.argmax(logits, axis=-1)
+    return jnp.where(params.temperature > 0, drawn, greedy).astype(jnp.int32)
+
+
+def probs(logits, params: SamplingParams):
+    """The distribution a row samples from (one-hot argmax for greedy rows), [B, ..., V]."""
+    filtered = filter_logits(logits, params)
+    soft = jax.nn.softmax(filtered, axis=-1)
+    hard = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=soft.dtype)
+    t = params.temperature.reshape((-1,) + (1,) * (logits.ndim - 1))
+    return jnp.where(t > 0, soft, hard)
