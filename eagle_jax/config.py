@@ -109,10 +109,11 @@ class ModelConfig:
         heads = int(need("num_attention_heads"))
         head_dim = hf.get("head_dim") or hidden // heads
         switches = dict(_ARCH_DEFAULTS[model_type])
-        if hf.get("attention_bias"):
+        # Llama and Qwen3 bias all four projections when attention_bias is set; Qwen2 always biases
+        # q/k/v (never o) and Mistral never reads the field, so both ignore it as transformers does.
+        if hf.get("attention_bias") and model_type in ("llama", "qwen3"):
             switches["qkv_bias"] = True
-            if model_type in ("llama", "mistral"):
-                switches["o_bias"] = True
+            switches["o_bias"] = True
         if hf.get("mlp_bias"):
             raise ConfigError(f"{source}: mlp_bias=true is not supported")
         eos = hf.get("eos_token_id")

@@ -127,7 +127,7 @@ class PlainEngine:
         self.graphdef, self.state = nnx.split(target.model)
 
     def generate(self, prompt_ids: list[list[int]], *, max_new_tokens: int, params: SamplingParams,
-                 stop: Sequence[str] = (), on_token=None) -> GenerationResult:
+                 stop: Sequence[str] = (), on_token=None, ignore_eos: bool = False) -> GenerationResult:
         cfg = self.target.cfg
         n = len(prompt_ids)
         lens = np.array([len(p) for p in prompt_ids], np.int32)
@@ -148,7 +148,7 @@ class PlainEngine:
             tokens[i, : len(p)] = p
         prompt_lens = np.concatenate([lens, np.ones(b - n, np.int32)])
         params = params.pad_to(b)
-        eos = self.target.eos_token_ids
+        eos = () if ignore_eos else self.target.eos_token_ids
         tok = self.target.tokenizer
         rows = [StopChecker(tok, eos, stop, max_new_tokens) for _ in range(n)]
 
@@ -162,7 +162,7 @@ class PlainEngine:
             last = i == max_new_tokens - 1
             if not last:
                 nxt, cache = decode_step(self.graphdef, self.state, current, cache, params)  # async
-                steps += 1
+            steps += 1  # target forwards whose token was used (the prefill is the first)
             host = np.asarray(current)
             if first_token_s is None:
                 first_token_s = time.perf_counter() - start
@@ -179,7 +179,7 @@ class PlainEngine:
         elapsed = time.perf_counter() - start
         generated = sum(len(r.tokens) for r in rows)
         stats = {
-            "steps": steps + 1,  # prefill produces the first token
+            "steps": steps,
             "generated_tokens": generated,
             "wall_s": elapsed,
             "time_to_first_token_s": first_token_s,
@@ -219,6 +219,7 @@ def generate(
     chat: bool = True,
     stop: Sequence[str] | str = (),
     on_token=None,
+    ignore_eos: bool = False,
 ) -> GenerationResult:
     """Generates continuations for a batch of prompts.
 
@@ -226,6 +227,8 @@ def generate(
     temperature 0 is greedy. `seed` is per call; row r uses seed + r. `stop` strings end a row (the
     text is cut before the stop string; token ids keep the tokens that completed it).
     on_token(row, token_id) is called for each new token as soon as it is on the host.
+    ignore_eos=True keeps generating past EOS tokens (every row gets exactly max_new_tokens unless a
+    stop string ends it); meant for benchmarks.
     """
     if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
         prompts = [prompts]
@@ -239,4 +242,4 @@ def generate(
     n = len(ids)
     params = SamplingParams.make(n, temperature, top_k, top_p, [seed + r for r in range(n)])
     return _engine_for(target).generate(ids, max_new_tokens=max_new_tokens, params=params, stop=stop,
-                                        on_token=on_token)
+                                        on_token=on_token, ignore_eos=ignore_eos)

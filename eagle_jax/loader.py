@@ -273,8 +273,14 @@ def gguf_config(reader, source: str) -> ModelConfig:
     heads = int(meta("attention.head_count"))
     head_dim = int(meta("attention.key_length", hidden // heads, required=False))
     vocab = meta("vocab_size", None, required=False)
-    if vocab is None:
+    if vocab is None and "tokenizer.ggml.tokens" in reader.fields:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    if vocab is None and "token_embd.weight" in names:
+        # Weight-only files carry neither key; GGUF lists the embedding's dims as [hidden, vocab].
+        vocab = int(next(t for t in reader.tensors if t.name == "token_embd.weight").shape[-1])
+    if vocab is None:
+        raise LoadError(f"{source}: cannot tell the vocabulary size: no {arch}.vocab_size, "
+                        f"tokenizer.ggml.tokens or token_embd.weight")
     rope_kind = meta("rope.scaling.type", "default", required=False) or "default"
     if rope_kind == "none":
         rope_kind = "default"

@@ -105,11 +105,11 @@ class Transformer(nnx.Module):
 
     # --- pieces the speculative engine and draft heads reuse -------------------------------------
     def embed_tokens(self, tokens):
-        return jnp.take(self.embed.value, tokens, axis=0)
+        return jnp.take(self.embed[...], tokens, axis=0)
 
     def lm_head_weight(self):
         """[H, V] output projection (the transposed embedding when tied)."""
-        return self.embed.value.T if self.cfg.tie_embeddings else self.lm_head.value
+        return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
 
     def logits(self, hidden):
         return jnp.einsum("...H,HV->...V", hidden, self.lm_head_weight(), preferred_element_type=jnp.float32)
@@ -135,7 +135,7 @@ class Transformer(nnx.Module):
         lengths = cache.lengths
         inv_freq = jnp.asarray(_inv_freq(cfg.rope, cfg.head_dim))
         p = self.layers
-        layer_params = {name: var.value for name, var in vars(p).items() if isinstance(var, nnx.Variable)}
+        layer_params = {name: var[...] for name, var in vars(p).items() if isinstance(var, nnx.Variable)}
         capture = jnp.asarray(tuple(capture_layers) or (-1,), jnp.int32)  # [C]
         eps = cfg.rms_norm_eps
 
@@ -177,7 +177,7 @@ class Transformer(nnx.Module):
         (x, ck, cv, buf), _ = jax.lax.scan(
             layer, (x, cache.k, cache.v, buf), (layer_params, jnp.arange(cfg.num_layers))
         )
-        hidden = rms_norm(x, self.final_norm.value, eps)
+        hidden = rms_norm(x, self.final_norm[...], eps)
         if logits_at is False:
             logits = None
         elif logits_at is None:

@@ -1,0 +1,103 @@
+"""`python -m eagle_jax.generate`: generate text from the command line.
+
+    python -m eagle_jax.generate --prompt "Write a haiku about JAX."
+    python -m eagle_jax.generate --prompt "a" --prompt "b" --temperature 0.7 --seed 1 --json
+
+The module is also callable (`eagle_jax.generate(...)` is the library function even after
+`import eagle_jax.generate`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import types
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m eagle_jax.generate",
+        description="Generate text with a target model (plain decoding; speculative with --draft once available).",
+    )
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="built-in model name, Hugging Face directory, or .gguf file (default: %(default)s)")
+    p.add_argument("--prompt", action="append", required=True,
+                   help="prompt text; repeat the flag to generate for a batch of prompts")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="maximum new tokens per prompt (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 = off (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="random seed; prompt i uses seed + i (default: %(default)s)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); the text is cut before it")
+    p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text instead of applying the chat template")
+    p.add_argument("--json", action="store_true", help="print one JSON object (texts, token ids, stats) instead of text")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    import eagle_jax
+    from eagle_jax.engine import generate
+
+    try:
+        target = eagle_jax.load_target(args.model)
+    except eagle_jax.LoadError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    stream = not args.json and len(args.prompt) == 1 and sys.stdout.isatty()
+    printed = [""]
+
+    def on_token(row, token):
+        # Stream a single prompt to a terminal: print the newly decodable text.
+        ids.append(token)
+        text = target.tokenizer.decode(ids, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            sys.stdout.write(text[len(printed[0]):])
+            sys.stdout.flush()
+            printed[0] = text
+
+    ids: list[int] = []
+    try:
+        result = generate(
+            target, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=not args.no_chat, stop=args.stop,
+            on_token=on_token if stream else None,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({
+            "model": target.name,
+            "prompts": args.prompt,
+            "texts": result.texts,
+            "token_ids": result.token_ids,
+            "finish_reasons": result.finish_reasons,
+            "stats": result.stats,
+        }))
+        return 0
+    if stream:
+        print()
+    else:
+        for i, text in enumerate(result.texts):
+            if len(result.texts) > 1:
+                print(f"--- [{i}] {args.prompt[i]}")
+            print(text)
+    s = result.stats
+    print(f"[{s['generated_tokens']} tokens in {s['wall_s']:.2f}s, {s['tokens_per_s']:.1f} tok/s, "
+          f"{s['steps']} steps]", file=sys.stderr)
+    return 0
+
+
+class _CallableModule(types.ModuleType):
+    def __call__(self, *args, **kwargs):
+        from eagle_jax.engine import generate
+
+        return generate(*args, **kwargs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+else:
+    sys.modules[__name__].__class__ = _CallableModule

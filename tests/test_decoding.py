@@ -1,0 +1,163 @@
+"""Plain decoding on a tiny random Llama: batching, sampling, stopping, compile counts."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eagle_jax
+from eagle_jax import engine
+from eagle_jax.config import ModelConfig
+from eagle_jax.loader import Target
+from eagle_jax.model import random_model
+from eagle_jax.sampling import SamplingParams, filter_logits
+
+TINY = ModelConfig(arch="llama", vocab_size=97, hidden_size=48, intermediate_size=96, num_layers=2,
+                   num_heads=4, num_kv_heads=2, head_dim=12, max_position=512)
+
+
+def tiny_target(cfg=TINY, seed=0, eos=()):
+    model = random_model(cfg, seed=seed)
+    # Sharper logits than the 0.02 init gives, so greedy and sampling differ visibly.
+    model.embed[...] = model.embed[...] * 25.0
+    return Target(model=model, tokenizer=None, name="tiny", source="random")
+
+
+PROMPTS = [[5, 9, 11], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8], [42], [7, 7, 7, 7, 7, 7]]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_target()
+
+
+def test_batched_ragged_greedy_equals_one_by_one(tiny):
+    batch = eagle_jax.generate(tiny, PROMPTS, max_new_tokens=12)
+    for i, p in enumerate(PROMPTS):
+        single = eagle_jax.generate(tiny, [p], max_new_tokens=12)
+        assert single.token_ids[0] == batch.token_ids[i]
+    assert all(len(t) == 12 for t in batch.token_ids)
+    assert batch.finish_reasons == ["length"] * 4
+
+
+def test_batched_sampling_equals_one_by_one_with_the_same_row_seed(tiny):
+    batch = eagle_jax.generate(tiny, PROMPTS, max_new_tokens=10, temperature=1.0, seed=17)
+    for i, p in enumerate(PROMPTS):
+        single = eagle_jax.generate(tiny, [p], max_new_tokens=10, temperature=1.0, seed=17 + i)
+        assert single.token_ids[0] == batch.token_ids[i]
+
+
+def test_greedy_matches_a_manual_full_recompute_loop(tiny):
+    # Reference: no KV cache reuse; re-run the whole sequence each step and take the argmax.
+    prompt = PROMPTS[1]
+    seq = list(prompt)
+    for _ in range(8):
+        cache = tiny.model.init_cache(1, 64)
+        logits = tiny.model(jnp.asarray([seq], jnp.int32), cache).logits[0, -1]
+        seq.append(int(jnp.argmax(logits)))
+    got = eagle_jax.generate(tiny, [prompt], max_new_tokens=8).token_ids[0]
+    assert got == seq[len(prompt):]
+
+
+def test_sampling_with_a_fixed_seed_is_reproducible_and_seeds_differ(tiny):
+    a = eagle_jax.generate(tiny, PROMPTS, max_new_tokens=16, temperature=0.9, top_p=0.95, seed=3)
+    b = eagle_jax.generate(tiny, PROMPTS, max_new_tokens=16, temperature=0.9, top_p=0.95, seed=3)
+    c = eagle_jax.generate(tiny, PROMPTS, max_new_tokens=16, temperature=0.9, top_p=0.95, seed=4)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+    greedy = eagle_jax.generate(tiny, PROMPTS, max_new_tokens=16)
+    assert a.token_ids != greedy.token_ids
+
+
+def test_top_k_1_equals_greedy(tiny):
+    greedy = eagle_jax.generate(tiny, PROMPTS, max_new_tokens=16)
+    topk1 = eagle_jax.generate(tiny, PROMPTS, max_new_tokens=16, temperature=1.5, top_k=1, seed=11)
+    assert topk1.token_ids == greedy.token_ids
+
+
+def test_eos_stops_a_row_and_keeps_the_eos_token(tiny):
+    free = eagle_jax.generate(tiny, [PROMPTS[0], PROMPTS[1]], max_new_tokens=10).token_ids
+    eos = free[0][4]
+    # Same seed and shapes give the same weights; only the config's EOS id differs.
+    stopping = tiny_target(dataclasses.replace(TINY, eos_token_ids=(eos,)))
+    result = eagle_jax.generate(stopping, [PROMPTS[0], PROMPTS[1]], max_new_tokens=10)
+    for row in range(2):
+        if eos in free[row]:
+            assert result.token_ids[row] == free[row][: free[row].index(eos) + 1]
+            assert result.finish_reasons[row] == "stop"
+        else:
+            assert result.token_ids[row] == free[row]
+            assert result.finish_reasons[row] == "length"
+
+
+def test_compiles_once_per_bucket(tiny):
+    eagle_jax.generate(tiny, [[1, 2, 3], [4, 5]], max_new_tokens=5)
+    before = dict(engine.TRACE_COUNTS)
+    # Different prompts, lengths and sampling settings inside the same buckets: no new traces.
+    eagle_jax.generate(tiny, [[9, 8, 7, 6], [1]], max_new_tokens=7, temperature=0.7, top_k=5, seed=2)
+    eagle_jax.generate(tiny, [[2, 2]], max_new_tokens=9)  # batch bucket 1: new shapes
+    after_new_bucket = dict(engine.TRACE_COUNTS)
+    eagle_jax.generate(tiny, [[3, 3, 3]], max_new_tokens=9)
+    assert dict(engine.TRACE_COUNTS) == after_new_bucket
+    assert after_new_bucket["decode"] - before["decode"] <= 1
+    assert after_new_bucket["prefill"] - before["prefill"] <= 1
+
+
+def _np_filter(logits, temperature, top_k, top_p):
+    x = logits / temperature
+    order = np.argsort(-x, kind="stable")
+    keep = np.zeros_like(x, dtype=bool)
+    srt = x[order]
+    n = len(x) if top_k == 0 else top_k
+    p = np.exp(srt[:n] - srt[0])
+    p /= p.sum()
+    before = np.cumsum(p) - p
+    m = int(np.sum(before < top_p))
+    keep[order[:m]] = True
+    return keep
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (5, 1.0), (0, 0.6), (7, 0.8), (1, 0.3)])
+def test_filter_logits_keeps_exactly_the_top_k_top_p_set(top_k, top_p):
+    rng = np.random.default_rng(top_k * 10 + int(top_p * 10))
+    logits = rng.normal(size=(3, 50)).astype(np.float32) * 2
+    params = SamplingParams.make(3, temperature=0.8, top_k=top_k, top_p=top_p)
+    out = np.asarray(filter_logits(jnp.asarray(logits), params))
+    for r in range(3):
+        want = _np_filter(logits[r], 0.8, top_k, top_p)
+        np.testing.assert_array_equal(np.isfinite(out[r]), want)
+        np.testing.assert_allclose(out[r][want], logits[r][want] / 0.8, rtol=1e-6)
+
+
+def test_sampled_token_frequencies_follow_the_filtered_distribution():
+    # Chi-square goodness of fit of 4000 draws against softmax(filtered logits).
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(12,)).astype(np.float32)
+    n = 4000
+    params = SamplingParams.make(n, temperature=1.3, top_k=8, top_p=0.9, seed=np.arange(n))
+    from eagle_jax.sampling import probs, sample
+
+    toks = np.asarray(sample(jnp.tile(jnp.asarray(logits), (n, 1)), params, jnp.zeros(n, jnp.int32)))
+    p = np.asarray(probs(jnp.asarray(logits)[None], SamplingParams.make(1, 1.3, 8, 0.9)))[0]
+    counts = np.bincount(toks, minlength=12)
+    assert np.all(counts[p == 0] == 0)
+    support = p > 0
+    expected = p[support] * n
+    chi2 = float(np.sum((counts[support] - expected) ** 2 / expected))
+    # 99.9% quantile of chi-square with <= 7 degrees of freedom is 24.3.
+    assert chi2 < 24.3, (chi2, counts, expected)
+
+
+def test_bad_arguments_raise_clear_errors(tiny):
+    with pytest.raises(ValueError, match="temperature"):
+        eagle_jax.generate(tiny, PROMPTS, temperature=-1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        eagle_jax.generate(tiny, PROMPTS, temperature=1.0, top_p=0.0)
+    with pytest.raises(ValueError, match="context length 512"):
+        eagle_jax.generate(tiny, [[1] * 500], max_new_tokens=20)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        eagle_jax.generate(tiny, PROMPTS, max_new_tokens=0)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        eagle_jax.generate(tiny, "hello")
