@@ -130,11 +130,21 @@ class ModelConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope=rope_from_hf(hf, source),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position=int(hf.get("max_position_embeddings", 4096)),
+            max_position=_max_position(hf),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             **switches,
         )
+
+
+def _max_position(hf: Mapping[str, Any]) -> int:
+    limit = int(hf.get("max_position_embeddings", 4096))
+    window = hf.get("sliding_window")
+    if window and (hf.get("use_sliding_window", True)) and int(window) < limit:
+        # Attention here is dense: it equals sliding-window attention only while the whole context fits
+        # in the window, so the window is the usable context length.
+        limit = int(window)
+    return limit
 
 
 def rope_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> RopeConfig:

@@ -222,7 +222,11 @@ def load_hf_dir(directory, dtype=jnp.float32, tokenizer: bool = True) -> Target:
     def shape_of(name):
         return tuple(handle(name).get_slice(name).get_shape())
 
-    model = assemble(cfg, HF_TABLE, list(files), read, shape_of, str(directory), HF_IGNORED, dtype=dtype)
+    try:
+        model = assemble(cfg, HF_TABLE, list(files), read, shape_of, str(directory), HF_IGNORED, dtype=dtype)
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
     tok = None
     if tokenizer and any((directory / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         from transformers import AutoTokenizer

@@ -1,0 +1,48 @@
+"""`python -m eagle_jax.generate` as a user runs it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import eagle_jax
+
+
+def _run(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "eagle_jax.generate", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_help_documents_every_flag():
+    out = _run("--help")
+    assert out.returncode == 0
+    for flag in ("--model", "--prompt", "--max-new-tokens", "--temperature", "--top-p", "--top-k", "--seed",
+                 "--stop", "--no-chat", "--json"):
+        assert flag in out.stdout
+    assert "RuntimeWarning" not in out.stderr
+
+
+def test_missing_model_is_a_clear_error_not_a_traceback(tmp_path):
+    out = _run("--model", str(tmp_path / "nope.gguf"), "--prompt", "hi")
+    assert out.returncode == 2
+    assert "nope.gguf" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_module_stays_callable_after_importing_the_cli_module():
+    import eagle_jax.generate  # noqa: F401  (binds the submodule; the API must keep working)
+
+    assert callable(eagle_jax.generate)
+
+
+@pytest.mark.slow
+def test_json_output_equals_the_library_result():
+    out = _run("--prompt", "Name three colors.", "--max-new-tokens", "12", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    target = eagle_jax.load_target("smollm2-135m-instruct")
+    ref = eagle_jax.generate(target, "Name three colors.", max_new_tokens=12)
+    assert data["token_ids"] == ref.token_ids
+    assert data["texts"] == ref.texts
+    assert data["stats"]["generated_tokens"] == len(ref.token_ids[0])
+    assert data["model"] == "smollm2-135m-instruct"
