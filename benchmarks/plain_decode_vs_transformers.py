@@ -142,9 +142,11 @@ def main(argv=None):
     hf.eval()
     print(f"loaded transformers model in {time.perf_counter() - t0:.1f}s", flush=True)
 
+    # Keep the argmax even when it is EOS (as our ignore_eos does): with an EOS id set, HF's
+    # min_new_tokens would mask EOS out and change the greedy continuation. generate() fills unset
+    # fields from model.generation_config, so EOS is cleared there too.
+    hf.generation_config.eos_token_id = None
     gen_config = hf.generation_config.__class__.from_dict(hf.generation_config.to_dict())
-    # Keep the argmax even when it is EOS (as our ignore_eos does); min_new_tokens would instead
-    # mask EOS out, which changes the greedy continuation.
     gen_config.eos_token_id = None
     gen_config.temperature = None
     gen_config.top_p = None
