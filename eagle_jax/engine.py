@@ -1,7 +1,7 @@
 """Plain (non-speculative) decoding: jitted prefill and decode steps, and the `generate` API.
 
 Shapes are bucketed so a compiled step is reused across calls: batch rounds up to a power of two,
-prompt length to a power of two (>= 16), cache length to a power of two that holds the prompt and
+prompt length to a half-octave bucket (16, 24, 32, 48, ...), cache length to a power of two that holds the prompt and
 every new token. The host loop dispatches step i+1 before it reads step i's tokens, so device work
 and host bookkeeping (stop checks, detokenisation) overlap.
 """
@@ -29,6 +29,12 @@ TRACE_COUNTS: collections.Counter = collections.Counter()
 def next_pow2(n: int, minimum: int = 1) -> int:
     n = max(int(n), minimum)
     return 1 << (n - 1).bit_length()
+
+
+def length_bucket(n: int, minimum: int = 16) -> int:
+    """Rounds up to 16, 24, 32, 48, 64, 96, 128, ...: at most 1.5x padding, two buckets per octave."""
+    p = next_pow2(n, minimum)
+    return p * 3 // 4 if p > minimum and n <= p * 3 // 4 else p
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
@@ -141,7 +147,7 @@ class PlainEngine:
                 f"model's context length {cfg.max_position}"
             )
         b = next_pow2(n)
-        t = next_pow2(int(lens.max()), 16)
+        t = length_bucket(int(lens.max()))
         s = next_pow2(max(t, int(lens.max()) + max_new_tokens + 1), 128)
         tokens = np.zeros((b, t), np.int32)
         for i, p in enumerate(prompt_ids):

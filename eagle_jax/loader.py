@@ -110,39 +110,42 @@ def assemble(
     transform: Callable[[str, np.ndarray], np.ndarray] | None = None,
     dtype=jnp.float32,
 ) -> Transformer:
-    """Fills every model parameter from checkpoint tensors following `table`."""
+    """Fills every model parameter from checkpoint tensors following `table`.
+
+    Per-layer table entries ("{i}" in the name, path (group, name)) fill parameters (group, i, name).
+    """
     shapes = param_shapes(cfg)
     available = set(tensor_names)
     consumed: set[str] = set()
     arrays: dict[tuple[str, ...], np.ndarray] = {}
     for pattern, path, transpose in table:
-        per_layer = "{i}" in pattern
-        names = [pattern.format(i=i) for i in range(cfg.num_layers)] if per_layer else [pattern]
-        if path not in shapes:
+        if "{i}" in pattern:  # per-layer tensor -> parameter ("layers", i, name)
+            entries = [(pattern.format(i=i), (path[0], str(i)) + path[1:]) for i in range(cfg.num_layers)]
+        else:
+            entries = [(pattern, path)]
+        if entries[0][1] not in shapes:
             # This architecture has no such parameter (e.g. biases on Llama; lm_head when tied).
             # A tied checkpoint may still carry a copy of the embedding as lm_head: accept and skip it.
             if path == ("lm_head",) and cfg.tie_embeddings:
-                consumed.update(n for n in names if n in available)
+                consumed.update(n for n, _ in entries if n in available)
             continue
-        expected = shapes[path][1:] if per_layer else shapes[path]
-        parts = []
-        for name in names:
+        for name, key in entries:
+            expected = shapes[key]
             if name not in available:
-                raise LoadError(f"{source}: missing tensor {name!r} (needed for parameter {'.'.join(path)})")
+                raise LoadError(f"{source}: missing tensor {name!r} (needed for parameter {'.'.join(key)})")
             got = tuple(shape_of(name))
             want_in_file = tuple(reversed(expected)) if transpose else tuple(expected)
             if got != want_in_file:
                 raise LoadError(
-                    f"{source}: tensor {name!r} has shape {got}, but parameter {'.'.join(path)} "
+                    f"{source}: tensor {name!r} has shape {got}, but parameter {'.'.join(key)} "
                     f"needs {want_in_file} (config: {cfg.arch}, hidden {cfg.hidden_size}, "
                     f"heads {cfg.num_heads}/{cfg.num_kv_heads}, head_dim {cfg.head_dim})"
                 )
             arr = read(name)
             if transform is not None:
                 arr = transform(name, arr)
-            parts.append(arr.T if transpose else arr)
+            arrays[key] = arr.T if transpose else arr
             consumed.add(name)
-        arrays[path] = np.stack(parts) if per_layer else parts[0]
     leftovers = sorted(n for n in available - consumed if not any(p.match(n) for p in ignored))
     if leftovers:
         shown = ", ".join(leftovers[:8]) + (" ..." if len(leftovers) > 8 else "")

@@ -92,11 +92,15 @@ def filter_logits(logits, params: SamplingParams):
 
 def sample(logits, params: SamplingParams, positions):
     """Next token per row from logits [B, V]; greedy rows take the argmax."""
-    filtered = filter_logits(logits, params)
-    keys = row_keys(params.seed, positions)
-    drawn = jax.vmap(jax.random.categorical)(keys, filtered)
-    greedy = jnp.argmax(logits, axis=-1)
-    return jnp.where(params.temperature > 0, drawn, greedy).astype(jnp.int32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw(_):
+        keys = row_keys(params.seed, positions)
+        drawn = jax.vmap(jax.random.categorical)(keys, filter_logits(logits, params))
+        return jnp.where(params.temperature > 0, drawn, greedy).astype(jnp.int32)
+
+    # An all-greedy batch skips the vocabulary-wide random draw.
+    return jax.lax.cond(jnp.any(params.temperature > 0), draw, lambda _: greedy, None)
 
 
 def probs(logits, params: SamplingParams):

@@ -33,17 +33,16 @@ def tree_attention_reference(q, k_cache, v_cache, lengths, tree_mask, *, interpr
         tree_mask, jnp.broadcast_to(jnp.clip(rel, 0, n - 1)[:, None, :], (b, n, s)), axis=2
     )  # [B, N, S]
     visible = in_prefix[:, None, :] | (in_tree[:, None, :] & tree_vis)  # [B, N, S]
-    # Slots past the tree may hold garbage (NaN); zero them so 0-weight * NaN cannot leak through.
+    # Slots past the tree may hold garbage (NaN). Scores of hidden slots are replaced below; their
+    # values must be zeroed too, or 0-weight * NaN would leak into the output.
     live = (in_prefix | in_tree)[:, :, None, None]  # [B, S, 1, 1]
-    k_live = jnp.where(live, k_cache, 0)
     v_live = jnp.where(live, v_cache, 0)
+    scale = 1.0 / jnp.sqrt(jnp.float32(d))
     scores = jnp.einsum(
-        "BNKGD,BSKD->BKGNS", qg, k_live, preferred_element_type=jnp.float32
-    ) * (1.0 / jnp.sqrt(jnp.float32(d)))
+        "BNKGD,BSKD->BKGNS", qg, k_cache, preferred_element_type=jnp.float32
+    ) * scale
     scores = jnp.where(visible[:, None, None, :, :], scores, -jnp.inf)
-    scores = scores - jnp.max(scores, axis=-1, keepdims=True)
-    probs = jnp.exp(scores)
-    probs = probs / jnp.sum(probs, axis=-1, keepdims=True)
+    probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("BKGNS,BSKD->BNKGD", probs.astype(v_cache.dtype), v_live,
                      preferred_element_type=jnp.float32)
     return out.reshape(b, n, hq, d).astype(q.dtype)

@@ -90,11 +90,11 @@ def test_checkpoint_parameters_are_not_trivial(tiny_hf, tmp_path):
     # Guards the parity tests: all-ones norms or zero biases would hide a dropped parameter.
     model = tiny_hf("qwen2")
     model.save_pretrained(tmp_path)
-    layers = load(tmp_path).model.layers
-    for name in ("attn_norm", "mlp_norm"):
-        assert np.abs(np.asarray(getattr(layers, name)[...]) - 1).min() > 0
-    for name in ("bq", "bk", "bv"):
-        assert np.abs(np.asarray(getattr(layers, name)[...])).max() > 0.1
+    for layer in load(tmp_path).model.layers:
+        for name in ("attn_norm", "mlp_norm"):
+            assert np.abs(np.asarray(getattr(layer, name)[...]) - 1).min() > 0
+        for name in ("bq", "bk", "bv"):
+            assert np.abs(np.asarray(getattr(layer, name)[...])).max() > 0.1
 
 
 def test_llama3_rope_scaling_changes_the_logits(tiny_hf):
