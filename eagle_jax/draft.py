@@ -131,12 +131,15 @@ class DraftHead(nnx.Module):
         c = self.cfg
         return KVCache.create(1, batch, max_len, c.num_kv_heads, c.head_dim, self.dtype)
 
-    def __call__(self, target, feats, tokens, cache: KVCache, *, fuse: bool, positions=None, tree_mask=None):
+    def __call__(self, target, feats, tokens, cache: KVCache, *, fuse: bool, positions=None, tree_mask=None,
+                 write_offset=0):
         """One draft layer over T inputs per row.
 
         feats [B, T, F]: target features (fuse=True; F = feature_size) or the head's own outputs
         (fuse=False; F = H). tokens [B, T]: the token that follows each feature. Writes K/V at each
-        row's [length, length + T) without committing. Returns (h [B, T, H], cache).
+        row's [length + write_offset, ... + T) without committing; the queries see the committed prefix
+        and the scratch keys [length, length + M) chosen by tree_mask [B, T, M] (default: causal over
+        the T new tokens). Returns (h [B, T, H], cache).
         """
         c = self.cfg
         b, t = tokens.shape
@@ -162,8 +165,9 @@ class DraftHead(nnx.Module):
         inv_freq = jnp.asarray(_inv_freq(c.rope, c.head_dim))
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
-        k_cache = write_rows(cache.k[0], k, cache.lengths)
-        v_cache = write_rows(cache.v[0], v, cache.lengths)
+        starts = cache.lengths + write_offset
+        k_cache = write_rows(cache.k[0], k, starts)
+        v_cache = write_rows(cache.v[0], v, starts)
         attn = tree_attention(q, k_cache, v_cache, cache.lengths, tree_mask)
         x = residual + attn.reshape(b, t, -1) @ self.wo[...]
         hm = rms_norm(x, self.post_norm[...], c.rms_norm_eps)
@@ -351,7 +355,7 @@ def load_draft(path, target_cfg: ModelConfig | None = None, dtype=jnp.float32) -
                                  f"{tuple(reversed(want)) if transpose else want}")
         arr = handle.get_tensor(name)
         arr = arr.T if transpose else arr
-        var.value = jnp.asarray(arr, jnp.int32 if attr == "d2t" else dtype)
+        var.set_value(jnp.asarray(arr, jnp.int32 if attr == "d2t" else dtype))
         consumed.add(name)
     leftovers = sorted(names - consumed - set(unused))
     if leftovers:

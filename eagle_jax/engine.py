@@ -226,6 +226,7 @@ def generate(
     stop: Sequence[str] | str = (),
     on_token=None,
     ignore_eos: bool = False,
+    tree=None,
 ) -> GenerationResult:
     """Generates continuations for a batch of prompts.
 
@@ -235,6 +236,9 @@ def generate(
     on_token(row, token_id) is called for each new token as soon as it is on the host.
     ignore_eos=True keeps generating past EOS tokens (every row gets exactly max_new_tokens unless a
     stop string ends it); meant for benchmarks.
+    draft: an EAGLE head (`eagle_jax.load_draft` / `eagle_jax.draft.random_head`) turns on speculative
+    decoding with `tree` (a `TreeConfig`; default depth 4, top-k 4, 16 tree tokens). The output is the
+    same as without it: token for token when greedy, in distribution when sampling.
     """
     if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
         prompts = [prompts]
@@ -242,10 +246,15 @@ def generate(
         raise ValueError("prompts is empty")
     if isinstance(stop, str):
         stop = [stop]
-    if draft is not None:
-        raise NotImplementedError("speculative decoding with a draft head is not available yet")
     ids = encode_prompts(target.tokenizer, prompts, chat)
     n = len(ids)
     params = SamplingParams.make(n, temperature, top_k, top_p, [seed + r for r in range(n)])
+    if draft is not None:
+        from eagle_jax.speculative import spec_engine_for
+        from eagle_jax.tree import TreeConfig
+
+        return spec_engine_for(target, draft).generate(
+            ids, max_new_tokens=max_new_tokens, params=params, tree=tree or TreeConfig(), stop=stop,
+            on_token=on_token, ignore_eos=ignore_eos)
     return _engine_for(target).generate(ids, max_new_tokens=max_new_tokens, params=params, stop=stop,
                                         on_token=on_token, ignore_eos=ignore_eos)

@@ -29,9 +29,9 @@ class TreeConfig:
     """depth: draft steps; topk: children per expanded node and frontier width; tree_tokens: N,
     the number of tokens the target verifies per step (root included)."""
 
-    depth: int = 5
-    topk: int = 8
-    tree_tokens: int = 48
+    depth: int = 4
+    topk: int = 4
+    tree_tokens: int = 16
 
     def __post_init__(self):
         if self.depth < 1:

@@ -1,0 +1,261 @@
+"""Speculative decoding with an EAGLE draft head: prefill, then one jitted step per TreeConfig.
+
+Carried state per row (all static shapes, `SpecState`):
+  target cache   committed tokens 0..L-1 (the root token at position L is not in it yet)
+  draft cache    one pair (feature_i, token_{i+1}) per position i < L, so it is in step with the target
+  root           the last emitted token (position L); the next tree hangs from it
+  root_hidden    the draft's prediction of the feature at position L (its logits propose position L+1)
+
+A step: draft the tree from (root, root_hidden) -> verify all N tree tokens with the target in one
+forward (tree mask, positions L + depth) -> accept (lossless, `eagle_jax.accept`) -> move the accepted
+path's K/V rows to contiguous slots -> run the draft over the accepted pairs to refresh its cache and
+root_hidden. Emits `count` tokens (accepted drafts + the bonus token).
+
+Every TreeConfig compiles its own step, and every step reads and writes the same `SpecState`, so a
+scheduler can pick a different precompiled TreeConfig (including tree_tokens=1: no drafting, a plain
+decode step that keeps the draft in sync) on every step without recompiling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle_jax.accept import accept
+from eagle_jax.engine import GenerationResult, StopChecker, TRACE_COUNTS, length_bucket, next_pow2
+from eagle_jax.kv_cache import KVCache, gather_rows
+from eagle_jax.sampling import SamplingParams, sample
+from eagle_jax.tree import TreeConfig, select_tree
+
+
+# Read at trace time. Tests set "broken" to prove the statistical test can fail (see eagle_jax.accept).
+ACCEPT_RULE = "exact"
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["cache", "draft_cache", "root", "root_hidden"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class SpecState:
+    cache: KVCache
+    draft_cache: KVCache
+    root: jax.Array  # [B] int32
+    root_hidden: jax.Array  # [B, H]
+
+
+def target_features(out, head_cfg):
+    """The features the head consumes from a target forward: [B, T, F]."""
+    if head_cfg.kind == "eagle3":
+        return jnp.concatenate(list(out.captured), axis=-1)  # low | mid | high
+    return out.hidden
+
+
+def _capture(head_cfg):
+    return tuple(head_cfg.aux_layers) if head_cfg.kind == "eagle3" else ()
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "head_graphdef"),
+                   donate_argnames=("cache", "draft_cache"))
+def spec_prefill(graphdef, state, head_graphdef, head_state, tokens, prompt_lens, cache, draft_cache,
+                 params: SamplingParams) -> SpecState:
+    """Target prefill (sampling the root), then the draft over every prompt pair."""
+    TRACE_COUNTS["spec_prefill"] += 1
+    target = nnx.merge(graphdef, state)
+    head = nnx.merge(head_graphdef, head_state)
+    cache = cache.replace(lengths=jnp.zeros_like(cache.lengths))
+    out = target(tokens, cache, capture_layers=_capture(head.cfg), logits_at=prompt_lens - 1)
+    root = sample(out.logits, params, prompt_lens)
+    # Pair i = (feature_i, token_{i+1}); the last pair's next token is the freshly sampled root.
+    nxt = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
+    nxt = jnp.where(jnp.arange(tokens.shape[1])[None, :] == (prompt_lens - 1)[:, None], root[:, None], nxt)
+    draft_cache = draft_cache.replace(lengths=jnp.zeros_like(draft_cache.lengths))
+    h, draft_cache = head(target, target_features(out, head.cfg), nxt, draft_cache, fuse=True)
+    root_hidden = jnp.take_along_axis(h, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+    return SpecState(out.cache.replace(lengths=prompt_lens), draft_cache.replace(lengths=prompt_lens),
+                     root, root_hidden)
+
+
+def draft_tree(target, head, s: SpecState, tree: TreeConfig):
+    """EAGLE-2 expansion from the root; returns the selected `Tree` (see eagle_jax.tree)."""
+    b = s.root.shape[0]
+    k, d = tree.topk, tree.depth
+    logp = head.logprobs(target, s.root_hidden)  # [B, V_draft]
+    top_lp, top_id = jax.lax.top_k(logp, k)
+    pool_tokens = [head.to_target_ids(top_id)]
+    pool_scores = [top_lp]
+    pool_parents = [jnp.full((b, k), -1, jnp.int32)]
+    frontier_slot = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))  # pool slots of the frontier
+    frontier_tok = pool_tokens[0]
+    frontier_score = top_lp
+    frontier_in = jnp.broadcast_to(s.root_hidden[:, None, :], (b, k, s.root_hidden.shape[-1]))
+    scratch = (d - 1) * k
+    anc = jnp.zeros((b, k, max(scratch, 1)), bool)  # frontier nodes' ancestors among scratch slots
+    dcache = s.draft_cache
+    base = k  # next free pool slot
+    for step in range(1, d):  # frontier at depth `step` proposes depth step + 1
+        own = jax.nn.one_hot((step - 1) * k + jnp.arange(k), scratch, dtype=bool)  # [k, scratch]
+        anc = anc | own[None]
+        h, dcache = head(target, frontier_in, frontier_tok, dcache, fuse=False,
+                         positions=jnp.broadcast_to(dcache.lengths[:, None] + step - 1, (b, k)),
+                         tree_mask=anc, write_offset=(step - 1) * k)
+        lp = head.logprobs(target, h)  # [B, k, V_draft]
+        c_lp, c_id = jax.lax.top_k(lp, k)  # [B, k, k]
+        c_score = (frontier_score[:, :, None] + c_lp).reshape(b, k * k)
+        c_tok = head.to_target_ids(c_id).reshape(b, k * k)
+        c_parent = jnp.repeat(frontier_slot, k, axis=1)  # [B, k*k]
+        pool_tokens.append(c_tok)
+        pool_scores.append(c_score)
+        pool_parents.append(c_parent)
+        if step < d - 1:
+            best_score, best = jax.lax.top_k(c_score, k)  # next frontier
+            parent_local = best // k  # index within the current frontier
+            frontier_slot = (base + best).astype(jnp.int32)
+            frontier_tok = jnp.take_along_axis(c_tok, best, axis=1)
+            frontier_score = best_score
+            frontier_in = jnp.take_along_axis(h, parent_local[:, :, None], axis=1)
+            anc = jnp.take_along_axis(anc, parent_local[:, :, None], axis=1)
+        base += k * k
+    return select_tree(s.root, jnp.concatenate(pool_tokens, 1), jnp.concatenate(pool_scores, 1),
+                       jnp.concatenate(pool_parents, 1), tree)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "head_graphdef", "tree"), donate_argnames=("s",))
+def spec_step(graphdef, state, head_graphdef, head_state, s: SpecState, params: SamplingParams, active,
+              tree: TreeConfig):
+    """One draft -> verify -> accept -> commit step. Returns (new state, emitted [B, D+1], count [B]).
+
+    Rows with active=False commit nothing (their state is unchanged) and report count 0.
+    """
+    TRACE_COUNTS["spec_step"] += 1
+    target = nnx.merge(graphdef, state)
+    head = nnx.merge(head_graphdef, head_state)
+    b = s.root.shape[0]
+    d = tree.depth if tree.tree_tokens > 1 else 0
+    if tree.tree_tokens > 1:
+        t = draft_tree(target, head, s, tree)
+    else:  # no drafting: verify just the root (a plain decode step)
+        from eagle_jax.tree import Tree
+
+        t = Tree(s.root[:, None], jnp.zeros((b, 1), jnp.int32), jnp.zeros((b, 1), jnp.int32),
+                 jnp.ones((b, 1, 1), bool), jnp.full((b, 1), -1, jnp.int32))
+    length = s.cache.lengths
+    out = target(t.tokens, s.cache, positions=length[:, None] + t.depths, tree_mask=t.mask,
+                 capture_layers=_capture(head.cfg), logits_at=None)
+    acc = accept(t, out.logits, params, length, d, rule=ACCEPT_RULE)
+    count = jnp.where(active, acc.count, 0)
+    cache = gather_rows(out.cache, acc.path, count)
+    # Tokens emitted: the accepted drafts below the root, then the bonus.
+    path_tokens = jnp.take_along_axis(t.tokens, acc.path, axis=1)  # [B, D+1], [:, 0] = root
+    slot = jnp.arange(d + 1)[None, :]
+    nxt = jnp.concatenate([path_tokens[:, 1:], path_tokens[:, :1]], axis=1)
+    nxt = jnp.where(slot == (acc.count - 1)[:, None], acc.bonus[:, None], nxt)  # [B, D+1]
+    # Refresh the draft with the accepted pairs (feature at each path node, the token after it).
+    feats = jnp.take_along_axis(target_features(out, head.cfg), acc.path[:, :, None], axis=1)
+    h, dcache = head(target, feats, nxt, s.draft_cache, fuse=True)
+    root_hidden = jnp.take_along_axis(h, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
+    new = SpecState(
+        cache=cache,
+        draft_cache=dcache.replace(lengths=s.draft_cache.lengths + count),
+        root=jnp.where(active, acc.bonus, s.root),
+        root_hidden=jnp.where(active[:, None], root_hidden, s.root_hidden),
+    )
+    return new, nxt, count
+
+
+class SpecEngine:
+    def __init__(self, target, head):
+        if head.cfg.hidden_size != target.cfg.hidden_size or head.cfg.vocab_size != target.cfg.vocab_size:
+            raise ValueError(
+                f"draft head (hidden {head.cfg.hidden_size}, vocab {head.cfg.vocab_size}) does not fit the target "
+                f"(hidden {target.cfg.hidden_size}, vocab {target.cfg.vocab_size})")
+        self.target, self.head = target, head
+        self.graphdef, self.state = nnx.split(target.model)
+        self.head_graphdef, self.head_state = nnx.split(head)
+
+    def generate(self, prompt_ids, *, max_new_tokens: int, params: SamplingParams, tree: TreeConfig,
+                 stop: Sequence[str] = (), on_token=None, ignore_eos: bool = False) -> GenerationResult:
+        cfg = self.target.cfg
+        n = len(prompt_ids)
+        lens = np.array([len(p) for p in prompt_ids], np.int32)
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        d = tree.depth
+        for i in range(n):
+            if lens[i] + max_new_tokens + d + 1 > cfg.max_position:
+                raise ValueError(
+                    f"prompt {i} has {lens[i]} tokens; with max_new_tokens={max_new_tokens} (+{d + 1} speculative "
+                    f"slack) that exceeds the model's context length {cfg.max_position}")
+        b = next_pow2(n)
+        t = length_bucket(int(lens.max()))
+        s_len = next_pow2(max(t, int(lens.max()) + max_new_tokens + tree.tree_tokens + d + 1), 128)
+        tokens = np.zeros((b, t), np.int32)
+        for i, p in enumerate(prompt_ids):
+            tokens[i, : len(p)] = p
+        prompt_lens = np.concatenate([lens, np.ones(b - n, np.int32)])
+        params = params.pad_to(b)
+        eos = () if ignore_eos else self.target.eos_token_ids
+        rows = [StopChecker(self.target.tokenizer, eos, stop, max_new_tokens) for _ in range(n)]
+
+        start = time.perf_counter()
+        cache = self.target.model.init_cache(b, s_len)
+        dcache = self.head.init_cache(b, s_len + (d - 1) * tree.topk + d + 1)
+        st = spec_prefill(self.graphdef, self.state, self.head_graphdef, self.head_state, jnp.asarray(tokens),
+                          jnp.asarray(prompt_lens), cache, dcache, params)
+        root = np.asarray(st.root)
+        first_token_s = time.perf_counter() - start
+        for r, row in enumerate(rows):
+            row.push(int(root[r]))
+            if on_token is not None:
+                on_token(r, int(root[r]))
+        steps, counts = 1, []
+        active = np.array([row.reason is None for row in rows] + [False] * (b - n))
+        while active.any():
+            st, emitted, count = spec_step(self.graphdef, self.state, self.head_graphdef, self.head_state, st,
+                                           params, jnp.asarray(active), tree)
+            emitted, count = np.asarray(emitted), np.asarray(count)
+            steps += 1
+            for r, row in enumerate(rows):
+                if not active[r]:
+                    continue
+                counts.append(int(count[r]))
+                for j in range(int(count[r])):
+                    finished = row.push(int(emitted[r, j]))
+                    if on_token is not None:
+                        on_token(r, int(emitted[r, j]))
+                    if finished:
+                        break
+                active[r] = row.reason is None
+        elapsed = time.perf_counter() - start
+        generated = sum(len(r.tokens) for r in rows)
+        hist = np.bincount(np.asarray(counts, np.int64), minlength=d + 2)[1:].tolist() if counts else []
+        stats = {
+            "steps": steps,
+            "generated_tokens": generated,
+            "wall_s": elapsed,
+            "time_to_first_token_s": first_token_s,
+            "tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
+            "tau": float(np.mean(counts)) if counts else 1.0,
+            "accepted_per_step": counts,
+            "accept_histogram": hist,  # hist[i] = verify steps that emitted i + 1 tokens
+            "tree": dataclasses.asdict(tree),
+            "buckets": {"batch": b, "prompt": t, "cache": s_len},
+        }
+        return GenerationResult(texts=[r.text() for r in rows], token_ids=[r.tokens for r in rows],
+                                finish_reasons=[r.reason or "length" for r in rows], stats=stats)
+
+
+_SPEC_ENGINES: dict[tuple[int, int], SpecEngine] = {}
+
+
+def spec_engine_for(target, head) -> SpecEngine:
+    key = (id(target), id(head))
+    eng = _SPEC_ENGINES.get(key)
+    if eng is None or eng.target is not target or eng.head is not head:
+        eng = _SPEC_ENGINES[key] = SpecEngine(target, head)
+    return eng

@@ -1,0 +1,213 @@
+"""Speculative decoding is lossless: greedy token for token, sampling in distribution."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eagle_jax
+from eagle_jax import engine, speculative
+from eagle_jax.draft import DraftLoadError, load_draft, random_head, save_draft
+from eagle_jax.tree import TreeConfig
+from test_decoding import PROMPTS, TINY, tiny_target
+
+MORE_PROMPTS = PROMPTS + [[8, 6, 7, 5, 3, 0, 9], [13] * 11, [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34],
+                          [90, 1]]
+
+
+def oracle_pair(cfg=dataclasses.replace(TINY, num_layers=1), attn_scale=0.5, seed=0):
+    """A one-layer target and an EAGLE-1 head that nearly reproduces it.
+
+    The head passes the token embedding through fc, skips attention and copies the target's MLP, so
+    it predicts the target's pre-norm hidden state up to the target's (down-scaled) attention term.
+    With all-ones final norm the lm_head ranks tokens the same, so drafts are usually accepted: the
+    tests exercise deep acceptance, multi-row commits and draft refreshes, not just rejections.
+    """
+    tgt = tiny_target(cfg, seed=seed)
+    blk = tgt.model.layers[0]
+    blk.wo[...] = blk.wo[...] * attn_scale
+    tgt.model.final_norm[...] = jnp.ones_like(tgt.model.final_norm[...])
+    head = random_head(cfg, "eagle1", seed=seed)
+    h = cfg.hidden_size
+    fc = np.zeros((2 * h, h), np.float32)
+    fc[:h] = np.eye(h)
+    head.fc[...] = jnp.asarray(fc)
+    head.fc_bias[...] = jnp.zeros((h,))
+    head.wo[...] = jnp.zeros_like(head.wo[...])
+    for name in ("w_gate", "w_up", "w_down"):
+        getattr(head, name)[...] = getattr(blk, name)[...]
+    head.post_norm[...] = blk.mlp_norm[...]
+    return tgt, head
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    return oracle_pair()
+
+
+@pytest.fixture(scope="module")
+def deep_target():
+    return tiny_target(dataclasses.replace(TINY, num_layers=6))
+
+
+TREES = [TreeConfig.chain(1), TreeConfig.chain(2), TreeConfig.chain(8), TreeConfig(2, 2, 1),
+         TreeConfig(3, 3, 10), TreeConfig(4, 4, 26), TreeConfig(4, 8, 64), TreeConfig(1, 8, 5)]
+
+
+@pytest.mark.parametrize("tree", TREES, ids=str)
+def test_greedy_speculative_equals_plain_greedy_for_every_tree_shape(oracle, tree):
+    tgt, head = oracle
+    plain = eagle_jax.generate(tgt, MORE_PROMPTS, max_new_tokens=24)
+    spec = eagle_jax.generate(tgt, MORE_PROMPTS, draft=head, tree=tree, max_new_tokens=24)
+    assert spec.token_ids == plain.token_ids
+    if tree.tree_tokens > 1:
+        assert spec.stats["tau"] > 1.5  # the oracle head's drafts are mostly accepted
+    assert sum((i + 1) * c for i, c in enumerate(spec.stats["accept_histogram"])) == sum(
+        spec.stats["accepted_per_step"])
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 5, 8])
+def test_greedy_speculative_equals_plain_for_ragged_batches(oracle, batch):
+    tgt, head = oracle
+    prompts = MORE_PROMPTS[:batch]
+    plain = eagle_jax.generate(tgt, prompts, max_new_tokens=17)
+    spec = eagle_jax.generate(tgt, prompts, draft=head, tree=TreeConfig(3, 2, 7), max_new_tokens=17)
+    assert spec.token_ids == plain.token_ids
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+@pytest.mark.parametrize("tree", [TreeConfig.chain(3), TreeConfig(3, 4, 12)], ids=str)
+def test_untrained_random_heads_are_lossless_on_a_deeper_target(deep_target, kind, tree):
+    head = random_head(deep_target.cfg, kind, seed=3, draft_vocab_size=60)
+    plain = eagle_jax.generate(deep_target, MORE_PROMPTS, max_new_tokens=16)
+    spec = eagle_jax.generate(deep_target, MORE_PROMPTS, draft=head, tree=tree, max_new_tokens=16)
+    assert spec.token_ids == plain.token_ids
+    assert 1.0 <= spec.stats["tau"] < 1.5
+
+
+def test_rows_that_stop_early_do_not_disturb_the_others(oracle):
+    tgt, head = oracle
+    free = eagle_jax.generate(tgt, MORE_PROMPTS, max_new_tokens=20).token_ids
+    eos = free[0][3]
+    stopping_tgt = tiny_target(dataclasses.replace(tgt.cfg, eos_token_ids=(eos,)))
+    stopping_tgt.model.layers[0].wo[...] = tgt.model.layers[0].wo[...]
+    stopping_tgt.model.final_norm[...] = tgt.model.final_norm[...]
+    plain = eagle_jax.generate(stopping_tgt, MORE_PROMPTS, max_new_tokens=20)
+    spec = eagle_jax.generate(stopping_tgt, MORE_PROMPTS, draft=head, tree=TreeConfig(4, 2, 9), max_new_tokens=20)
+    assert spec.token_ids == plain.token_ids
+    assert spec.finish_reasons == plain.finish_reasons
+    assert "stop" in spec.finish_reasons and "length" in spec.finish_reasons
+
+
+def test_no_recompilation_across_steps_or_calls(oracle):
+    tgt, head = oracle
+    tree = TreeConfig(3, 2, 6)
+    eagle_jax.generate(tgt, [PROMPTS[0], PROMPTS[3]], draft=head, tree=tree, max_new_tokens=12)
+    before = dict(engine.TRACE_COUNTS)
+    # Same buckets (batch 2, prompts <= 16 tokens, cache 128), other prompts, lengths and sampling.
+    r = eagle_jax.generate(tgt, [PROMPTS[2], [5] * 9], draft=head, tree=tree, max_new_tokens=20,
+                           temperature=0.8, seed=5)
+    assert r.stats["steps"] > 3
+    assert dict(engine.TRACE_COUNTS) == before
+
+
+def _first_two(tgt, head, n, temperature, top_k, top_p, tree=None):
+    """First two sampled tokens of n independent rows (seeds 0..n-1), in chunks."""
+    out = []
+    chunk = 1024
+    for start in range(0, n, chunk):
+        prompts = [[3, 1, 4]] * min(chunk, n - start)
+        r = eagle_jax.generate(tgt, prompts, draft=head, tree=tree, max_new_tokens=2, temperature=temperature,
+                               top_k=top_k, top_p=top_p, seed=start, ignore_eos=True)
+        out += [tuple(t[:2]) for t in r.token_ids]
+    return out
+
+
+def _two_sample_p(a, b, vocab):
+    from scipy.stats import chi2_contingency
+
+    idx = lambda pairs: np.asarray([x * vocab + y for x, y in pairs])
+    ca, cb = np.bincount(idx(a), minlength=vocab * vocab), np.bincount(idx(b), minlength=vocab * vocab)
+    keep = (ca + cb) > 0
+    return chi2_contingency(np.stack([ca[keep], cb[keep]]))[1]
+
+
+SMALL_VOCAB = dataclasses.replace(TINY, vocab_size=12, num_layers=1)
+
+
+@pytest.fixture(scope="module")
+def small_oracle():
+    tgt, head = oracle_pair(SMALL_VOCAB, attn_scale=1.0, seed=4)
+    # Logits of a few nats' spread: peaked enough that a wrong acceptance rule shows, not one-hot.
+    tgt.model.lm_head[...] = tgt.model.lm_head[...] * 15
+    return tgt, head
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 4, 1.0), (1.2, 0, 0.8)])
+def test_sampled_speculation_matches_plain_sampling_jointly_over_two_tokens(small_oracle, temperature, top_k, top_p):
+    tgt, head = small_oracle
+    n = 20480
+    plain = _first_two(tgt, None, n, temperature, top_k, top_p)
+    spec = _first_two(tgt, head, n, temperature, top_k, top_p, TreeConfig(2, 3, 7))
+    assert _two_sample_p(plain, spec, 12) > 0.01
+
+
+@pytest.mark.slow
+def test_a_broken_acceptance_rule_fails_the_two_token_test(small_oracle, monkeypatch):
+    tgt, head = small_oracle
+    n = 20480
+    plain = _first_two(tgt, None, n, 1.0, 0, 1.0)
+    monkeypatch.setattr(speculative, "ACCEPT_RULE", "broken")
+    jax.clear_caches()
+    try:
+        spec = _first_two(tgt, head, n, 1.0, 0, 1.0, TreeConfig(2, 3, 7))
+    finally:
+        monkeypatch.setattr(speculative, "ACCEPT_RULE", "exact")
+        jax.clear_caches()
+    assert _two_sample_p(plain, spec, 12) < 0.01
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_official_layout_round_trip_gives_identical_outputs(deep_target, tmp_path, kind):
+    head = random_head(deep_target.cfg, kind, seed=7, draft_vocab_size=60)
+    if kind == "eagle3":
+        head.d2t[...] = jnp.asarray(np.arange(60) % 7, jnp.int32)  # a non-trivial vocabulary map
+    save_draft(head, tmp_path / kind)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / kind / "model.safetensors"), framework="numpy") as f:
+        names = set(f.keys())
+    if kind == "eagle3":
+        assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight", "norm.weight",
+                "lm_head.weight", "d2t", "t2d"} <= names
+    else:
+        assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight"} <= names
+    loaded = eagle_jax.load_draft(tmp_path / kind, deep_target.cfg)
+    a = eagle_jax.generate(deep_target, PROMPTS, draft=head, tree=TreeConfig(3, 3, 9), max_new_tokens=8,
+                           temperature=0.9, seed=1)
+    b = eagle_jax.generate(deep_target, PROMPTS, draft=loaded, tree=TreeConfig(3, 3, 9), max_new_tokens=8,
+                           temperature=0.9, seed=1)
+    assert a.token_ids == b.token_ids and a.stats["accepted_per_step"] == b.stats["accepted_per_step"]
+    for name in ("fc", "wq", "w_down"):
+        np.testing.assert_array_equal(np.asarray(getattr(head, name)[...]), np.asarray(getattr(loaded, name)[...]))
+
+
+def test_loading_a_broken_head_names_the_tensor(deep_target, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    head = random_head(deep_target.cfg, "eagle3", draft_vocab_size=60)
+    save_draft(head, tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    bad = dict(tensors, **{"midlayer.self_attn.q_proj.weight": np.zeros((3, 5), np.float32)})
+    save_file(bad, str(tmp_path / "model.safetensors"))
+    with pytest.raises(DraftLoadError, match=r"midlayer\.self_attn\.q_proj\.weight.*\(3, 5\).*\(48, 96\)"):
+        load_draft(tmp_path, deep_target.cfg)
+    missing = {k: v for k, v in tensors.items() if k != "norm.weight"}
+    save_file(missing, str(tmp_path / "model.safetensors"))
+    with pytest.raises(DraftLoadError, match=r"missing tensor 'norm\.weight'"):
+        load_draft(tmp_path, deep_target.cfg)
+    with pytest.raises(DraftLoadError, match="config.json"):
+        load_draft(tmp_path / "nowhere")
