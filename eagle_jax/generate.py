@@ -18,7 +18,7 @@ import types
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m eagle_jax.generate",
-        description="Generate text with a target model (plain decoding; speculative with --draft once available).",
+        description="Generate text with a target model: plain decoding, or EAGLE speculative decoding with --draft.",
     )
     p.add_argument("--model", default="smollm2-135m-instruct",
                    help="built-in model name, Hugging Face directory, or .gguf file (default: %(default)s)")
@@ -31,6 +31,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random seed; prompt i uses seed + i (default: %(default)s)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); the text is cut before it")
     p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text instead of applying the chat template")
+    p.add_argument("--draft", default="none",
+                   help="EAGLE draft head: a head directory (official EAGLE / EAGLE-3 layout), 'random' for an "
+                        "untrained EAGLE-3 head (testing; output is unchanged, just not faster), or 'none' "
+                        "for plain decoding (default: %(default)s)")
+    p.add_argument("--depth", type=int, default=4, help="draft tree depth (default: %(default)s)")
+    p.add_argument("--topk", type=int, default=4, help="children per expanded draft node (default: %(default)s)")
+    p.add_argument("--tree-tokens", type=int, default=16,
+                   help="tokens the target verifies per step, root included (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object (texts, token ids, stats) instead of text")
     return p
 
@@ -45,6 +53,17 @@ def main(argv=None) -> int:
     except eagle_jax.LoadError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    draft, tree = None, None
+    if args.draft != "none":
+        from eagle_jax.tree import TreeConfig
+
+        try:
+            tree = TreeConfig(depth=args.depth, topk=args.topk, tree_tokens=args.tree_tokens)
+            draft = (eagle_jax.random_head(target.cfg, "eagle3") if args.draft == "random"
+                     else eagle_jax.load_draft(args.draft, target.cfg))
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     stream = not args.json and len(args.prompt) == 1 and sys.stdout.isatty()
     printed = [""]
 
@@ -62,7 +81,7 @@ def main(argv=None) -> int:
         result = generate(
             target, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=not args.no_chat, stop=args.stop,
-            on_token=on_token if stream else None,
+            on_token=on_token if stream else None, draft=draft, tree=tree,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -86,7 +105,7 @@ def main(argv=None) -> int:
             print(text)
     s = result.stats
     print(f"[{s['generated_tokens']} tokens in {s['wall_s']:.2f}s, {s['tokens_per_s']:.1f} tok/s, "
-          f"{s['steps']} steps]", file=sys.stderr)
+          f"{s['steps']} steps, tau {s['tau']:.2f}]", file=sys.stderr)
     return 0
 
 

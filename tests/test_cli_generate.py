@@ -18,7 +18,7 @@ def test_help_documents_every_flag():
     out = _run("--help")
     assert out.returncode == 0
     for flag in ("--model", "--prompt", "--max-new-tokens", "--temperature", "--top-p", "--top-k", "--seed",
-                 "--stop", "--no-chat", "--json"):
+                 "--stop", "--no-chat", "--json", "--draft", "--depth", "--topk", "--tree-tokens"):
         assert flag in out.stdout
     assert "RuntimeWarning" not in out.stderr
 
@@ -46,3 +46,20 @@ def test_json_output_equals_the_library_result():
     assert data["texts"] == ref.texts
     assert data["stats"]["generated_tokens"] == len(ref.token_ids[0])
     assert data["model"] == "smollm2-135m-instruct"
+
+
+@pytest.mark.slow
+def test_random_draft_from_the_cli_keeps_the_greedy_text():
+    plain = json.loads(_run("--prompt", "Name three colors.", "--max-new-tokens", "12", "--json").stdout)
+    out = _run("--prompt", "Name three colors.", "--max-new-tokens", "12", "--json", "--draft", "random",
+               "--depth", "3", "--topk", "2", "--tree-tokens", "6")
+    assert out.returncode == 0, out.stderr
+    spec = json.loads(out.stdout)
+    assert spec["token_ids"] == plain["token_ids"]
+    assert sum(spec["stats"]["accept_histogram"]) == len(spec["stats"]["accepted_per_step"])
+
+
+def test_bad_tree_flags_are_a_clear_error():
+    out = _run("--model", "smollm2-135m-instruct", "--prompt", "hi", "--draft", "random", "--depth", "2",
+               "--topk", "2", "--tree-tokens", "50")
+    assert out.returncode == 2 and "tree_tokens" in out.stderr and "Traceback" not in out.stderr

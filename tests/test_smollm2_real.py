@@ -107,3 +107,14 @@ def test_stop_string_cuts_text(ours):
     assert r.token_ids[0] == full.token_ids[0][: len(r.token_ids[0])]
     assert "Wednesday" in ours.tokenizer.decode(r.token_ids[0])
     assert "Wednesday" not in ours.tokenizer.decode(r.token_ids[0][:-1])
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
+def test_speculative_greedy_with_a_random_head_equals_plain_on_the_real_model(ours, kind):
+    head = eagle_jax.random_head(ours.cfg, kind, seed=1)
+    prompts = CHAT_PROMPTS[:3]
+    plain = eagle_jax.generate(ours, prompts, max_new_tokens=32)
+    spec = eagle_jax.generate(ours, prompts, draft=head, tree=eagle_jax.TreeConfig(3, 4, 12), max_new_tokens=32)
+    assert spec.token_ids == plain.token_ids
+    assert spec.texts == plain.texts
+    assert spec.stats["tau"] >= 1.0
