@@ -1,4 +1,4 @@
-"""Llama-family decoder in Flax NNX with stacked layer params and a scan over layers.
+"""Llama-family decoder in Flax NNX: per-layer parameters, one code path for prefill, decode and verify.
 
 Covers Llama 2 / 3.x, Mistral, Qwen2 / 2.5, Qwen3 and SmolLM2 (see `ModelConfig`). The forward pass
 takes new tokens for each row, writes their keys / values into the KV cache past the row's committed

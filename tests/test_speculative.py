@@ -211,3 +211,38 @@ def test_loading_a_broken_head_names_the_tensor(deep_target, tmp_path):
         load_draft(tmp_path, deep_target.cfg)
     with pytest.raises(DraftLoadError, match="config.json"):
         load_draft(tmp_path / "nowhere")
+
+
+def test_switching_tree_configs_between_steps_needs_no_recompile_and_stays_lossless(oracle):
+    """A scheduler may pick any precompiled TreeConfig (or none) per step over the same state."""
+    from eagle_jax.sampling import SamplingParams
+
+    tgt, head = oracle
+    prompts = MORE_PROMPTS[:4]
+    plain = eagle_jax.generate(tgt, prompts, max_new_tokens=30).token_ids
+    eng = speculative.spec_engine_for(tgt, head)
+    trees = [TreeConfig(4, 4, 1), TreeConfig.chain(3), TreeConfig(4, 4, 16), TreeConfig(2, 2, 5)]
+    b, s_len = 4, 128
+    depth, topk = 4, 4  # the draft cache is sized for the largest tree
+    tokens = np.zeros((b, 24), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    params = SamplingParams.make(b)
+    st = speculative.spec_prefill(eng.graphdef, eng.state, eng.head_graphdef, eng.head_state, jnp.asarray(tokens),
+                                  jnp.asarray([len(p) for p in prompts], jnp.int32), tgt.model.init_cache(b, s_len),
+                                  head.init_cache(b, s_len + (depth - 1) * topk + depth + 1), params)
+    out = [[int(t)] for t in np.asarray(st.root)]
+    active = jnp.ones((b,), bool)
+    for tree in trees:  # compile each once
+        speculative.spec_step(eng.graphdef, eng.state, eng.head_graphdef, eng.head_state,
+                              jax.tree_util.tree_map(jnp.copy, st), params, active, tree)
+    before = dict(engine.TRACE_COUNTS)
+    step = 0
+    while min(len(o) for o in out) < 30:
+        st, emitted, count = speculative.spec_step(eng.graphdef, eng.state, eng.head_graphdef, eng.head_state, st,
+                                                   params, active, trees[step % len(trees)])
+        for r in range(b):
+            out[r] += np.asarray(emitted)[r, : int(count[r])].tolist()
+        step += 1
+    assert dict(engine.TRACE_COUNTS) == before
+    assert [o[:30] for o in out] == plain
