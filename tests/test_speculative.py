@@ -52,8 +52,9 @@ def deep_target():
     return tiny_target(dataclasses.replace(TINY, num_layers=6))
 
 
-TREES = [TreeConfig.chain(1), TreeConfig.chain(2), TreeConfig.chain(8), TreeConfig(2, 2, 1),
-         TreeConfig(3, 3, 10), TreeConfig(4, 4, 26), TreeConfig(4, 8, 64), TreeConfig(1, 8, 5)]
+TREES = [TreeConfig.chain(1), TreeConfig.chain(2), TreeConfig.chain(4), TreeConfig.chain(8), TreeConfig(2, 2, 1),
+         TreeConfig(3, 3, 10), TreeConfig(4, 4, 26), TreeConfig(4, 8, 64), TreeConfig(1, 8, 5), TreeConfig(6, 2, 20),
+         TreeConfig(3, 5, 31)]
 
 
 @pytest.mark.parametrize("tree", TREES, ids=str)
