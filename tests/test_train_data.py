@@ -1,0 +1,96 @@
+"""Training-data generation: eval-set exclusion, prompt sources, shards, resume."""
+
+import json
+
+import numpy as np
+import pytest
+
+import eagle_jax
+from eagle_jax.config import ModelConfig
+from eagle_jax.loader import Target, _gguf_reader, builtin_path, gguf_tokenizer
+from eagle_jax.model import random_model
+from eagle_jax.train import data
+
+
+@pytest.fixture(scope="module")
+def tiny_with_real_tokenizer():
+    """A tiny random model that speaks SmolLM2's tokenizer and chat template (fast, real text plumbing)."""
+    path = builtin_path("smollm2-135m-instruct")
+    tok = gguf_tokenizer(_gguf_reader(path), str(path))
+    cfg = ModelConfig(arch="llama", vocab_size=49152, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, tie_embeddings=True, max_position=1024,
+                      eos_token_ids=(2,))
+    return Target(model=random_model(cfg, seed=1), tokenizer=tok, name="tiny-smollm-tok", source="random")
+
+
+def test_mt_bench_and_humaneval_prompts_are_refused():
+    banned = data.eval_prompts()
+    assert sum(1 for v in banned.values() if v == "MT-bench") >= 150  # 80 questions x 2 turns
+    assert sum(1 for v in banned.values() if v == "HumanEval") == 164
+    mt = next(k for k, v in banned.items() if v == "MT-bench")
+    he = next(k for k, v in banned.items() if v == "HumanEval")
+    data.check_not_eval(["Tell me about otters.", "Write a haiku."])  # fine
+    with pytest.raises(data.EvalContaminationError, match="prompt 1 is a MT-bench"):
+        data.check_not_eval(["ok", "  " + mt.upper().replace(" ", "   ") + "\n"])
+    with pytest.raises(data.EvalContaminationError, match="HumanEval"):
+        data.check_not_eval([he])
+
+
+def test_generate_dataset_refuses_contaminated_prompts(tiny_with_real_tokenizer, tmp_path):
+    mt = next(k for k, v in data.eval_prompts().items() if v == "MT-bench")
+    with pytest.raises(data.EvalContaminationError):
+        data.generate_dataset(tiny_with_real_tokenizer, ["hello there", mt], tmp_path / "d")
+    assert not (tmp_path / "d" / "manifest.json").exists()
+
+
+def test_jsonl_prompt_formats(tmp_path):
+    f = tmp_path / "p.jsonl"
+    rows = [{"prompt": "A"}, {"turns": ["B", "B2"]},
+            {"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "C"},
+                               {"from": "gpt", "value": "x"}]}]
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    assert data.load_jsonl_prompts(f) == ["A", "B", "C"]
+    f.write_text('{"text": "no prompt field"}\n')
+    with pytest.raises(ValueError, match=r"p\.jsonl:1: expected a 'prompt'"):
+        data.load_jsonl_prompts(f)
+
+
+def test_shards_hold_prompt_plus_target_answer_and_resume_exactly(tiny_with_real_tokenizer, tmp_path):
+    tgt = tiny_with_real_tokenizer
+    prompts = data.topic_prompts(["rivers", "bread", "chess"])[:10]
+    settings = data.GenerationSettings(max_new_tokens=6, temperature=0.9, batch_size=3, shard_size=4, seed=5)
+    full = data.generate_dataset(tgt, prompts, tmp_path / "full", settings)
+    assert full["done"] == 10 and len(full["shards"]) == 3
+    # Interrupted after one shard, then resumed: identical content.
+    part = data.generate_dataset(tgt, prompts, tmp_path / "resumed", settings, limit=5)
+    assert part["done"] == 4
+    data.generate_dataset(tgt, prompts, tmp_path / "resumed", settings)
+    a, b = data.read_dataset(tmp_path / "full"), data.read_dataset(tmp_path / "resumed")
+    assert len(a) == len(b) == 10
+    for (ta, ma), (tb, mb) in zip(a, b):
+        np.testing.assert_array_equal(ta, tb)
+        np.testing.assert_array_equal(ma, mb)
+    # Each row: the chat-formatted prompt (mask 0), then the target's sampled answer (mask 1).
+    for i, (tok, mask) in enumerate(a):
+        ids = data._conversation_ids(tgt.tokenizer, prompts[i])
+        np.testing.assert_array_equal(tok[: len(ids)], ids)
+        assert mask[: len(ids)].sum() == 0 and mask[len(ids):].all() and 1 <= mask.sum() <= 6
+        answer = eagle_jax.generate(tgt, [prompts[i]], max_new_tokens=6, temperature=0.9, seed=5 + i)
+        np.testing.assert_array_equal(tok[len(ids):], answer.token_ids[0])
+    with pytest.raises(ValueError, match="other settings"):
+        data.generate_dataset(tgt, prompts, tmp_path / "full", data.GenerationSettings(max_new_tokens=7))
+
+
+def test_user_turn_prefix_ends_where_the_user_text_starts(tiny_with_real_tokenizer):
+    tok = tiny_with_real_tokenizer.tokenizer
+    prefix = tok.decode(data.user_turn_prefix(tok))
+    assert prefix.endswith("<|im_start|>user\n")
+
+
+@pytest.mark.slow
+def test_magpie_prompts_from_the_real_target_are_user_messages():
+    tgt = eagle_jax.load_target("smollm2-135m-instruct")
+    prompts = data.magpie_prompts(tgt, 3, seed=0, max_tokens=48)
+    assert len(prompts) == 3
+    assert all(len(p) >= 8 and "<|im" not in p for p in prompts)
+    assert len(set(prompts)) == 3
