@@ -94,3 +94,38 @@ def test_magpie_prompts_from_the_real_target_are_user_messages():
     assert len(prompts) == 3
     assert all(len(p) >= 8 and "<|im" not in p for p in prompts)
     assert len(set(prompts)) == 3
+
+
+def test_online_and_offline_features_give_identical_batches(tiny_with_real_tokenizer, tmp_path):
+    from eagle_jax.train import features as F
+
+    tgt = tiny_with_real_tokenizer
+    rng = np.random.default_rng(0)
+    rows = [(rng.integers(0, 49152, size=n).astype(np.int32), (np.arange(n) > n // 2).astype(np.uint8))
+            for n in (5, 17, 9, 30, 12)]
+    ex = F.FeatureExtractor(tgt, aux_layers=(0, 1, 1))
+    F.write_offline(ex, rows, batch_size=2, seq_len=16, out_dir=tmp_path / "feats")
+    online = [ex(b) for _, b in F.token_batches(rows, 2, 16)]
+    offline = list(F.read_offline(tmp_path / "feats"))
+    assert len(online) == len(offline) == 3
+    for a, b in zip(online, offline):
+        for name in ("tokens", "loss_mask", "valid", "hidden", "aux"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+    assert online[0].aux.shape == (2, 16, 3 * 32) and online[0].hidden.shape == (2, 16, 32)
+    # Rows are cut at seq_len, padded rows are invalid, and the data position resumes mid-epoch.
+    assert online[1].valid[1].all() and not online[2].valid[1].any()
+    nxt, first = next(F.token_batches(rows, 2, 16, start=2))
+    assert nxt == 4
+    np.testing.assert_array_equal(first.tokens, online[1].tokens)
+
+
+def test_draft_vocab_keeps_the_most_frequent_answer_tokens():
+    from eagle_jax.train.features import build_draft_vocab
+
+    rows = [(np.array([5, 5, 5, 9, 9, 1, 7]), np.array([0, 1, 1, 1, 1, 1, 1])),
+            (np.array([7, 7, 3]), np.array([1, 1, 0]))]
+    # answer-token counts: 5:2, 9:2, 7:3, 1:1 (3 and the first 5 are prompt tokens)
+    d2t, t2d = build_draft_vocab(rows, vocab_size=12, draft_vocab_size=4, always=(11,))
+    kept = np.arange(4) + d2t
+    np.testing.assert_array_equal(kept, [5, 7, 9, 11])
+    assert t2d.sum() == 4 and t2d[[5, 7, 9, 11]].all() and (d2t >= 0).all()

@@ -1,0 +1,121 @@
+"""Training batches: token packing, target features (online or offline), and the EAGLE-3 draft vocabulary.
+
+A batch is fixed-shape [B, T]: each conversation is cut or right-padded to T tokens (`valid` marks
+real tokens, `loss_mask` the answer tokens). The target's features for a batch are
+  * `hidden` [B, T, H]: the final normed hidden state (EAGLE-1's regression target and the input
+    from which the target's next-token distribution is recomputed through its lm_head), and
+  * `aux` [B, T, 3H]: the residual stream after the low / middle / high layers (EAGLE-3's input).
+Online mode computes them inside the training loop; offline mode writes them to disk once
+(`write_offline`) and streams them back (`read_offline`). Both give bit-identical batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+@dataclasses.dataclass
+class Batch:
+    tokens: np.ndarray  # [B, T] int32
+    loss_mask: np.ndarray  # [B, T] uint8 (1 on answer tokens)
+    valid: np.ndarray  # [B, T] bool
+    hidden: np.ndarray | None = None  # [B, T, H]
+    aux: np.ndarray | None = None  # [B, T, 3H]
+
+
+def token_batches(rows: Sequence[tuple[np.ndarray, np.ndarray]], batch_size: int, seq_len: int,
+                  start: int = 0) -> Iterator[tuple[int, Batch]]:
+    """Deterministic batches in row order from row index `start` (the data position for resuming).
+
+    Yields (next_start, batch). The last partial batch is padded with empty rows (valid = False).
+    """
+    for b0 in range(start, len(rows), batch_size):
+        tok = np.zeros((batch_size, seq_len), np.int32)
+        mask = np.zeros((batch_size, seq_len), np.uint8)
+        valid = np.zeros((batch_size, seq_len), bool)
+        for j, (t, m) in enumerate(rows[b0: b0 + batch_size]):
+            n = min(len(t), seq_len)
+            tok[j, :n], mask[j, :n], valid[j, :n] = t[:n], m[:n], True
+        yield min(b0 + batch_size, len(rows)), Batch(tok, mask, valid)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "aux_layers"))
+def _features(graphdef, state, tokens, aux_layers):
+    target = nnx.merge(graphdef, state)
+    b, t = tokens.shape
+    cache = target.init_cache(b, t)
+    out = target(tokens, cache, capture_layers=aux_layers, logits_at=False)
+    aux = jnp.concatenate(list(out.captured), axis=-1) if aux_layers else None
+    return out.hidden, aux
+
+
+class FeatureExtractor:
+    """Runs the frozen target over token batches (online mode)."""
+
+    def __init__(self, target, aux_layers: Sequence[int] = ()):
+        self.graphdef, self.state = nnx.split(target.model)
+        self.aux_layers = tuple(aux_layers)
+
+    def __call__(self, batch: Batch) -> Batch:
+        hidden, aux = _features(self.graphdef, self.state, jnp.asarray(batch.tokens), self.aux_layers)
+        return dataclasses.replace(batch, hidden=np.asarray(hidden),
+                                   aux=None if aux is None else np.asarray(aux))
+
+
+def write_offline(extractor: FeatureExtractor, rows, batch_size: int, seq_len: int, out_dir) -> int:
+    """Precomputes every batch's features to out_dir (resumable: finished batches are kept)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    n = 0
+    for i, (_, batch) in enumerate(token_batches(rows, batch_size, seq_len)):
+        path = out / f"batch-{i:06d}.npz"
+        n += 1
+        if path.exists():
+            continue
+        b = extractor(batch)
+        arrays = {"tokens": b.tokens, "loss_mask": b.loss_mask, "valid": b.valid, "hidden": b.hidden}
+        if b.aux is not None:
+            arrays["aux"] = b.aux
+        tmp = out / f"batch-{i:06d}.tmp.npz"
+        np.savez(tmp, **arrays)
+        os.replace(tmp, path)
+    (out / "index.json").write_text(json.dumps({"batches": n, "batch_size": batch_size, "seq_len": seq_len}))
+    return n
+
+
+def read_offline(out_dir, start_batch: int = 0) -> Iterator[Batch]:
+    out = Path(out_dir)
+    n = json.loads((out / "index.json").read_text())["batches"]
+    for i in range(start_batch, n):
+        with np.load(out / f"batch-{i:06d}.npz") as z:
+            yield Batch(z["tokens"], z["loss_mask"], z["valid"], z["hidden"], z["aux"] if "aux" in z else None)
+
+
+def build_draft_vocab(rows, vocab_size: int, draft_vocab_size: int, always=()) -> tuple[np.ndarray, np.ndarray]:
+    """EAGLE-3's reduced vocabulary: the most frequent answer tokens of the training data.
+
+    Returns (d2t [Vd] int64 offsets: target id = draft id + d2t[draft id], t2d [V] bool). Draft ids
+    follow target-id order, so the offsets are non-negative. `always` ids (e.g. EOS) are included.
+    Ties in frequency go to the lower token id; unused slots are filled with the lowest unseen ids.
+    """
+    counts = np.zeros(vocab_size, np.int64)
+    for tok, mask in rows:
+        np.add.at(counts, np.asarray(tok)[np.asarray(mask) > 0], 1)
+    order = np.lexsort((np.arange(vocab_size), -counts))  # by count desc, then id asc
+    forced = [int(a) for a in always]
+    chosen = forced + [int(i) for i in order if int(i) not in set(forced)]
+    keep = np.sort(np.asarray(chosen[:draft_vocab_size], np.int64))
+    d2t = keep - np.arange(draft_vocab_size)
+    t2d = np.zeros(vocab_size, bool)
+    t2d[keep] = True
+    return d2t, t2d
