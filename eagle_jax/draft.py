@@ -141,38 +141,51 @@ class DraftHead(nnx.Module):
         and the scratch keys [length, length + M) chosen by tree_mask [B, T, M] (default: causal over
         the T new tokens). Returns (h [B, T, H], cache).
         """
-        c = self.cfg
         b, t = tokens.shape
         if positions is None:
             positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         if tree_mask is None:
             tree_mask = jnp.broadcast_to(causal_mask(t), (b, t, t))
+        residual, attn_in = self.inputs(target, feats, tokens, fuse=fuse)
+        q, k, v = self.qkv(attn_in, positions)
+        starts = cache.lengths + write_offset
+        k_cache = write_rows(cache.k[0], k, starts)
+        v_cache = write_rows(cache.v[0], v, starts)
+        attn = tree_attention(q, k_cache, v_cache, cache.lengths, tree_mask)
+        return self.finish(residual, attn), cache.replace(k=(k_cache,), v=(v_cache,))
+
+    # The layer in three pieces, so training can run the same math with its own attention pattern.
+    def inputs(self, target, feats, tokens, *, fuse: bool):
+        """(residual [B,T,H], attention input [B,T,H or 2H]) for feature / token pairs."""
+        c = self.cfg
         emb = target.embed_tokens(tokens).astype(self.dtype)
         feats = feats.astype(self.dtype)
         if c.kind == "eagle1":
             h = jnp.concatenate([emb, feats], axis=-1) @ self.fc[...]
             if c.fc_bias:
                 h = h + self.fc_bias[...]
-            residual, attn_in = h, h  # layer 0 of an EAGLE-1 head has no input norm
-        else:
-            h = feats @ self.fc[...] if fuse else feats
-            residual = h
-            attn_in = jnp.concatenate([rms_norm(emb, self.input_norm[...], c.rms_norm_eps),
-                                       rms_norm(h, self.hidden_norm[...], c.rms_norm_eps)], axis=-1)
+            return h, h  # layer 0 of an EAGLE-1 head has no input norm
+        h = feats @ self.fc[...] if fuse else feats
+        attn_in = jnp.concatenate([rms_norm(emb, self.input_norm[...], c.rms_norm_eps),
+                                   rms_norm(h, self.hidden_norm[...], c.rms_norm_eps)], axis=-1)
+        return h, attn_in
+
+    def qkv(self, attn_in, positions):
+        c = self.cfg
+        b, t, _ = attn_in.shape
         q = (attn_in @ self.wq[...]).reshape(b, t, c.num_heads, c.head_dim)
         k = (attn_in @ self.wk[...]).reshape(b, t, c.num_kv_heads, c.head_dim)
         v = (attn_in @ self.wv[...]).reshape(b, t, c.num_kv_heads, c.head_dim)
         inv_freq = jnp.asarray(_inv_freq(c.rope, c.head_dim))
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
-        starts = cache.lengths + write_offset
-        k_cache = write_rows(cache.k[0], k, starts)
-        v_cache = write_rows(cache.v[0], v, starts)
-        attn = tree_attention(q, k_cache, v_cache, cache.lengths, tree_mask)
+        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+    def finish(self, residual, attn):
+        """Output projection and MLP; attn [B, T, Hq, D]."""
+        c = self.cfg
+        b, t = attn.shape[:2]
         x = residual + attn.reshape(b, t, -1) @ self.wo[...]
         hm = rms_norm(x, self.post_norm[...], c.rms_norm_eps)
-        x = x + (jax.nn.silu(hm @ self.w_gate[...]) * (hm @ self.w_up[...])) @ self.w_down[...]
-        return x, cache.replace(k=(k_cache,), v=(v_cache,))
+        return x + (jax.nn.silu(hm @ self.w_gate[...]) * (hm @ self.w_up[...])) @ self.w_down[...]
 
     def logprobs(self, target, h):
         """Log-probabilities over the head's vocabulary [..., V_draft] (the target's for eagle1)."""
