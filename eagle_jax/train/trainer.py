@@ -1,0 +1,215 @@
+"""The draft-head trainer: optax AdamW (warmup + cosine, global-norm clipping, optional accumulation),
+a device mesh with a data axis, orbax checkpoints that resume exactly, and export to the official layout.
+
+Only the head's `nnx.Param`s are optimised; the target is frozen and passed to the step as a
+separate argument, so it is never copied into optimizer state. A checkpoint holds the head params,
+the optimizer state, the step, the RNG key and the data position (next row to read), so a resumed
+run reads the same batches and draws the same noise as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from eagle_jax.draft import DraftHead, save_draft
+from eagle_jax.train import losses
+from eagle_jax.train.features import Batch, FeatureExtractor, token_batches
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    steps: int = 1000
+    lr: float = 1e-4
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    grad_accum: int = 1
+    batch_size: int = 8
+    seq_len: int = 256
+    ttt_length: int = 7
+    reg_weight: float = 1.0  # EAGLE-1 feature regression
+    cls_weight: float = 0.1  # EAGLE-1 classification
+    noise_std: float = 0.0  # EAGLE-1 input-feature noise
+    seed: int = 0
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 3
+    eval_every: int = 100
+    log_every: int = 10
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=max(cfg.warmup_steps, 1),
+        decay_steps=max(cfg.steps, cfg.warmup_steps + 1), end_value=cfg.lr * 0.1)
+    opt = optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
+                      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay))
+    return optax.MultiSteps(opt, every_k_schedule=cfg.grad_accum) if cfg.grad_accum > 1 else opt
+
+
+def data_mesh(devices=None) -> jax.sharding.Mesh:
+    """A 1-D mesh over all devices; batches are split along 'data', params replicated."""
+    devices = devices if devices is not None else jax.devices()
+    return jax.sharding.Mesh(np.asarray(devices), ("data",))
+
+
+def _loss(params, rest, graphdef, target, batch: dict, key, cfg: OptimConfig):
+    head = nnx.merge(graphdef, params, rest)
+    mask = batch["mask"]
+    if head.cfg.kind == "eagle3":
+        return losses.eagle3_loss(head, target, batch["tokens"], batch["hidden"], batch["aux"], mask,
+                                  ttt_length=cfg.ttt_length)
+    noise = None
+    if cfg.noise_std > 0:
+        noise = cfg.noise_std * jax.random.normal(key, batch["hidden"][:, :-1].shape, batch["hidden"].dtype)
+    return losses.eagle1_loss(head, target, batch["tokens"], batch["hidden"], mask, noise,
+                              cfg.reg_weight, cfg.cls_weight)
+
+
+class Trainer:
+    def __init__(self, target, head: DraftHead, cfg: OptimConfig, mesh=None):
+        self.target, self.cfg = target, cfg
+        self.mesh = mesh or data_mesh()
+        self.graphdef, params, self.rest = nnx.split(head, nnx.Param, ...)
+        self.replicated = NamedSharding(self.mesh, P())
+        self.batch_sharding = NamedSharding(self.mesh, P("data"))
+        self.params = jax.device_put(params, self.replicated)
+        self.tx = make_optimizer(cfg)
+        self.opt_state = jax.device_put(self.tx.init(self.params), self.replicated)
+        self.target_graphdef, self.target_state = nnx.split(target.model)
+        self.extractor = FeatureExtractor(target, head.cfg.aux_layers if head.cfg.kind == "eagle3" else ())
+        self.step = 0
+        self.data_pos = 0
+        self.key = jax.random.PRNGKey(cfg.seed)
+        self._train_step = jax.jit(self._step_fn, donate_argnums=(0, 1))
+        self._eval_step = jax.jit(self._eval_fn)
+
+    # --- jitted pieces -----------------------------------------------------------------------------
+    def _step_fn(self, params, opt_state, target_state, batch, key):
+        target = nnx.merge(self.target_graphdef, target_state)
+        grad_fn = jax.value_and_grad(_loss, has_aux=True)
+        (loss, metrics), grads = grad_fn(params, self.rest, self.graphdef, target, batch, key, self.cfg)
+        updates, opt_state = self.tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        metrics = dict(metrics, grad_norm=optax.global_norm(grads))
+        return params, opt_state, metrics
+
+    def _eval_fn(self, params, target_state, batch):
+        target = nnx.merge(self.target_graphdef, target_state)
+        _, metrics = _loss(params, self.rest, self.graphdef, target, batch, jax.random.PRNGKey(0),
+                           dataclasses.replace(self.cfg, noise_std=0.0))
+        return metrics
+
+    # --- host side ---------------------------------------------------------------------------------
+    def device_batch(self, b: Batch) -> dict:
+        if b.hidden is None:
+            b = self.extractor(b)
+        arrays = {"tokens": b.tokens, "hidden": b.hidden,
+                  "mask": (b.loss_mask.astype(bool) & b.valid).astype(np.float32)}
+        if b.aux is not None:
+            arrays["aux"] = b.aux
+        return jax.device_put(arrays, self.batch_sharding)
+
+    def head(self) -> DraftHead:
+        return nnx.merge(self.graphdef, jax.device_get(self.params), self.rest)
+
+    def train(self, rows, steps: int | None = None, eval_rows=None, checkpointer=None,
+              on_log: Callable[[dict], None] | None = None, stop_after: int | None = None) -> list[dict]:
+        """Runs until `steps` (default cfg.steps); cycles over `rows` in order, resuming at data_pos."""
+        cfg = self.cfg
+        steps = steps or cfg.steps
+        history = []
+        t0, tokens_seen = time.perf_counter(), 0
+        while self.step < steps:
+            it = token_batches(rows, cfg.batch_size, cfg.seq_len, start=self.data_pos)
+            for next_pos, batch in it:
+                self.key, sub = jax.random.split(self.key)
+                dev = self.device_batch(batch)
+                self.params, self.opt_state, metrics = self._train_step(
+                    self.params, self.opt_state, self.target_state, dev, sub)
+                self.step += 1
+                self.data_pos = next_pos if next_pos < len(rows) else 0
+                tokens_seen += int(batch.valid.sum())
+                if self.step % cfg.log_every == 0 or self.step == steps:
+                    m = jax.device_get(metrics)
+                    rec = {"step": self.step, "loss": float(m["loss"]), "acc": np.asarray(m["acc"]).tolist(),
+                           "grad_norm": float(m["grad_norm"]),
+                           "tokens_per_s": tokens_seen / (time.perf_counter() - t0)}
+                    if eval_rows is not None and (self.step % cfg.eval_every == 0 or self.step == steps):
+                        rec["eval_acc"] = self.evaluate(eval_rows)
+                    history.append(rec)
+                    if on_log:
+                        on_log(rec)
+                if checkpointer is not None and (self.step % cfg.checkpoint_every == 0 or self.step == steps):
+                    checkpointer.save(self)
+                if self.step >= steps or (stop_after is not None and self.step >= stop_after):
+                    return history
+                if self.data_pos == 0:
+                    break  # epoch boundary: restart the iterator from row 0
+        return history
+
+    def evaluate(self, rows) -> list[float]:
+        """Per-TTT-step top-1 acceptance accuracy on held-out rows (one entry for EAGLE-1)."""
+        accs, weights = [], []
+        for _, batch in token_batches(rows, self.cfg.batch_size, self.cfg.seq_len):
+            dev = self.device_batch(batch)
+            m = jax.device_get(self._eval_step(self.params, self.target_state, dev))
+            accs.append(np.atleast_1d(np.asarray(m["acc"])))
+            weights.append(float(dev["mask"].sum()))
+        w = np.asarray(weights) / max(sum(weights), 1.0)
+        return (np.stack(accs) * w[:, None]).sum(0).tolist()
+
+
+class Checkpointer:
+    """orbax CheckpointManager (async, keep-N) over params, optimizer state, RNG, step and data position."""
+
+    def __init__(self, directory, keep: int = 3):
+        import orbax.checkpoint as ocp
+
+        self.ocp = ocp
+        self.manager = ocp.CheckpointManager(
+            Path(directory).absolute(),
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True))
+
+    def _tree(self, tr: Trainer):
+        return {"params": tr.params, "opt_state": tr.opt_state, "key": jax.random.key_data(tr.key)
+                if jnp.issubdtype(tr.key.dtype, jax.dtypes.prng_key) else tr.key}
+
+    def save(self, tr: Trainer):
+        args = self.ocp.args.Composite(
+            state=self.ocp.args.StandardSave(self._tree(tr)),
+            meta=self.ocp.args.JsonSave({"step": tr.step, "data_pos": tr.data_pos}))
+        self.manager.save(tr.step, args=args)
+
+    def restore_latest(self, tr: Trainer) -> bool:
+        step = self.manager.latest_step()
+        if step is None:
+            return False
+        abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                                          if hasattr(x, "sharding") else x, self._tree(tr))
+        out = self.manager.restore(step, args=self.ocp.args.Composite(
+            state=self.ocp.args.StandardRestore(abstract), meta=self.ocp.args.JsonRestore()))
+        tr.params, tr.opt_state, tr.key = out["state"]["params"], out["state"]["opt_state"], out["state"]["key"]
+        tr.step, tr.data_pos = int(out["meta"]["step"]), int(out["meta"]["data_pos"])
+        return True
+
+    def wait(self):
+        self.manager.wait_until_finished()
+
+    def close(self):
+        self.manager.close()
+
+
+def export(trainer: Trainer, path) -> Path:
+    return save_draft(trainer.head(), path)
