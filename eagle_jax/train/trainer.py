@@ -84,7 +84,8 @@ class Trainer:
         self.graphdef, params, self.rest = nnx.split(head, nnx.Param, ...)
         self.replicated = NamedSharding(self.mesh, P())
         self.batch_sharding = NamedSharding(self.mesh, P("data"))
-        self.params = jax.device_put(params, self.replicated)
+        # Copies: the step donates its params, and the caller's head must stay usable.
+        self.params = jax.device_put(jax.tree_util.tree_map(jnp.array, params), self.replicated)
         self.tx = make_optimizer(cfg)
         self.opt_state = jax.device_put(self.tx.init(self.params), self.replicated)
         self.target_graphdef, self.target_state = nnx.split(target.model)
@@ -102,7 +103,7 @@ class Trainer:
         (loss, metrics), grads = grad_fn(params, self.rest, self.graphdef, target, batch, key, self.cfg)
         updates, opt_state = self.tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        metrics = dict(metrics, grad_norm=optax.global_norm(grads))
+        metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
         return params, opt_state, metrics
 
     def _eval_fn(self, params, target_state, batch):

@@ -1,0 +1,158 @@
+"""Trainer: learning on a tiny target, export round trip, kill-and-resume, sharded == single device."""
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eagle_jax
+from eagle_jax.draft import load_draft, random_head
+from eagle_jax.train.trainer import Checkpointer, OptimConfig, Trainer, export
+from test_decoding import TINY, tiny_target
+
+CFG = dataclasses.replace(TINY, num_layers=4)
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_setup(n_prompts=96):
+    """A tiny target with a peaked next-token distribution and rows of its own greedy answers."""
+    tgt = tiny_target(CFG)
+    tgt.model.lm_head[...] = tgt.model.lm_head[...] * 15
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, CFG.vocab_size, size=rng.integers(2, 6)).tolist() for _ in range(n_prompts)]
+    r = eagle_jax.generate(tgt, prompts, max_new_tokens=24)
+    rows = [(np.asarray(p + t, np.int32), np.asarray([0] * len(p) + [1] * len(t), np.uint8))
+            for p, t in zip(prompts, r.token_ids)]
+    return tgt, rows
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return tiny_setup()
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_loss_decreases_and_held_out_acceptance_rises(setup, kind):
+    tgt, rows = setup
+    head = random_head(CFG, kind, seed=0, draft_vocab_size=97)
+    tr = Trainer(tgt, head, OptimConfig(steps=200, lr=3e-3, warmup_steps=20, batch_size=8, seq_len=32, ttt_length=3,
+                                        log_every=10, eval_every=200))
+    before = tr.evaluate(rows[80:])
+    hist = tr.train(rows[:80], eval_rows=rows[80:])
+    after = hist[-1]["eval_acc"]
+    assert hist[-1]["loss"] < hist[0]["loss"]
+    assert after[0] > before[0] + 0.5 and after[0] > 0.8, (before, after)
+    if kind == "eagle3":  # later TTT steps learn too
+        assert min(after) > 0.6
+
+
+def test_exported_head_loads_back_with_the_same_draft_logits(setup, tmp_path):
+    tgt, rows = setup
+    head = random_head(CFG, "eagle3", seed=0, draft_vocab_size=60)
+    tr = Trainer(tgt, head, OptimConfig(steps=5, batch_size=8, seq_len=32, ttt_length=2))
+    tr.train(rows[:40])
+    export(tr, tmp_path / "head")
+    trained, loaded = tr.head(), load_draft(tmp_path / "head", CFG)
+    h = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, CFG.hidden_size)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(trained.logprobs(tgt.model, h)), np.asarray(loaded.logprobs(tgt.model, h)))
+    assert not np.allclose(np.asarray(trained.fc[...]), np.asarray(head.fc[...]))  # it did train
+
+
+RUN = textwrap.dedent("""
+    import sys, json, numpy as np
+    sys.path.insert(0, {tests!r})
+    from test_trainer import tiny_setup, CFG
+    from eagle_jax.draft import random_head
+    from eagle_jax.train.trainer import Trainer, OptimConfig, Checkpointer
+    tgt, rows = tiny_setup(48)
+    tr = Trainer(tgt, random_head(CFG, "eagle1", seed=0), OptimConfig(
+        steps=40, lr=3e-3, batch_size=8, seq_len=32, noise_std=0.05, checkpoint_every=10, log_every=5))
+    ck = Checkpointer({ckpt!r}, keep=2)
+    resumed = ck.restore_latest(tr)
+    print("resumed_at", tr.step if resumed else -1, flush=True)
+    def log(rec):
+        print("step", rec["step"], flush=True)
+        if {slow}:
+            import time; time.sleep(0.3)
+    tr.train(rows, checkpointer=ck, on_log=log)
+    ck.wait()
+    np.savez({out!r}, **{{"/".join(map(str, k)): np.asarray(v) for k, v in
+                         __import__("flax").nnx.to_flat_state(tr.params)}})
+    print("done", tr.step, flush=True)
+""")
+
+
+def _script(tmp_path, name, ckpt, slow):
+    out = tmp_path / f"{name}.npz"
+    path = tmp_path / f"{name}.py"
+    path.write_text(RUN.format(tests=str(REPO / "tests"), ckpt=str(ckpt), out=str(out), slow=slow))
+    return path, out
+
+
+def test_killed_training_resumes_to_the_same_parameters(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    ref_script, ref_out = _script(tmp_path, "ref", tmp_path / "ck_ref", False)
+    subprocess.run([sys.executable, str(ref_script)], check=True, env=env, timeout=600, capture_output=True)
+    run_script, run_out = _script(tmp_path, "run", tmp_path / "ck_run", True)
+    proc = subprocess.Popen([sys.executable, str(run_script)], env=env, stdout=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if line.startswith("step 25"):  # past the checkpoint at step 20, before the one at 30
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL and not run_out.exists()
+    second = subprocess.run([sys.executable, str(run_script)], env=env, timeout=600, capture_output=True, text=True)
+    assert second.returncode == 0, second.stderr
+    # It resumes from the last finalised checkpoint (10 or 20: saves are asynchronous), not from scratch.
+    resumed_at = int(second.stdout.split("resumed_at ")[1].split()[0])
+    assert resumed_at in (10, 20), second.stdout
+    a, b = np.load(ref_out), np.load(run_out)
+    assert set(a.files) == set(b.files)
+    for k in a.files:
+        np.testing.assert_array_equal(a[k], b[k])
+
+
+SHARDED = textwrap.dedent("""
+    import os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, numpy as np
+    sys.path.insert(0, {tests!r})
+    from test_trainer import tiny_setup, CFG
+    from eagle_jax.draft import random_head
+    from eagle_jax.train.trainer import Trainer, OptimConfig, data_mesh
+    assert len(jax.devices()) == 8
+    tgt, rows = tiny_setup(32)
+    out = {{}}
+    for n in (1, 8):
+        tr = Trainer(tgt, random_head(CFG, "eagle3", seed=0, draft_vocab_size=97),
+                     OptimConfig(steps=6, lr=3e-3, batch_size=8, seq_len=32, ttt_length=2, log_every=1),
+                     mesh=data_mesh(jax.devices()[:n]))
+        hist = tr.train(rows)
+        out[n] = ([h["loss"] for h in hist], jax.tree_util.tree_leaves(jax.device_get(tr.params)))
+        if n == 8:
+            leaf = jax.tree_util.tree_leaves(tr.params)[0]
+            assert len(leaf.sharding.device_set) == 8
+    np.testing.assert_allclose(out[1][0], out[8][0], rtol=1e-5)
+    for a, b in zip(out[1][1], out[8][1]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    print("SHARDED_OK")
+""")
+
+
+def test_sharded_training_on_8_devices_matches_1_device(tmp_path):
+    script = tmp_path / "sharded.py"
+    script.write_text(SHARDED.format(tests=str(REPO / "tests")))
+    out = subprocess.run([sys.executable, str(script)], env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=600,
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and "SHARDED_OK" in out.stdout, out.stderr[-3000:]
