@@ -125,16 +125,32 @@ class Trainer:
     def head(self) -> DraftHead:
         return nnx.merge(self.graphdef, jax.device_get(self.params), self.rest)
 
+    def batches(self, rows, features_dir=None):
+        """(next data position, batch) from data_pos on: online (tokens only) or offline features."""
+        bs = self.cfg.batch_size
+        if features_dir is None:
+            yield from token_batches(rows, bs, self.cfg.seq_len, start=self.data_pos)
+            return
+        from eagle_jax.train.features import read_offline
+
+        first = self.data_pos // bs
+        for i, b in enumerate(read_offline(features_dir, first)):
+            yield min((first + i + 1) * bs, len(rows)), b
+
     def train(self, rows, steps: int | None = None, eval_rows=None, checkpointer=None,
-              on_log: Callable[[dict], None] | None = None, stop_after: int | None = None) -> list[dict]:
-        """Runs until `steps` (default cfg.steps); cycles over `rows` in order, resuming at data_pos."""
+              on_log: Callable[[dict], None] | None = None, stop_after: int | None = None,
+              features_dir=None) -> list[dict]:
+        """Runs until `steps` (default cfg.steps); cycles over `rows` in order, resuming at data_pos.
+
+        With features_dir (written by `features.write_offline` for the same rows, batch size and
+        sequence length) the target features are streamed from disk instead of computed.
+        """
         cfg = self.cfg
         steps = steps or cfg.steps
         history = []
         t0, tokens_seen = time.perf_counter(), 0
         while self.step < steps:
-            it = token_batches(rows, cfg.batch_size, cfg.seq_len, start=self.data_pos)
-            for next_pos, batch in it:
+            for next_pos, batch in self.batches(rows, features_dir):
                 self.key, sub = jax.random.split(self.key)
                 dev = self.device_batch(batch)
                 self.params, self.opt_state, metrics = self._train_step(

@@ -1,0 +1,113 @@
+"""`python -m eagle_jax.train --recipe ...` end to end on a tiny model with SmolLM2's tokenizer."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eagle_jax.loader import _gguf_reader, builtin_path, gguf_tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+
+RECIPE = """
+[target]
+model = "{model}"
+
+[head]
+kind = "{kind}"
+draft_vocab_size = 512
+
+[data]
+dir = "{out}/data"
+sources = [{{ kind = "topics", topics = ["otters", "tea"] }}, {{ kind = "jsonl", path = "{jsonl}" }}]
+max_new_tokens = 8
+batch_size = 4
+shard_size = 4
+holdout = 0.2
+features = "{features}"
+
+[train]
+out_dir = "{out}"
+steps = 6
+batch_size = 2
+seq_len = 48
+ttt_length = 2
+checkpoint_every = 3
+log_every = 2
+eval_every = 6
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Llama saved as a Hugging Face directory with SmolLM2's real tokenizer."""
+    import torch
+    import transformers
+
+    d = tmp_path_factory.mktemp("tiny-smol")
+    path = builtin_path("smollm2-135m-instruct")
+    tok = gguf_tokenizer(_gguf_reader(path), str(path))
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   tie_word_embeddings=True, eos_token_id=2, bos_token_id=1)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def _run(recipe, *extra):
+    return subprocess.run([sys.executable, "-m", "eagle_jax.train", "--recipe", str(recipe), "--json", *extra],
+                          capture_output=True, text=True, timeout=600, cwd=REPO)
+
+
+@pytest.mark.parametrize("kind,features", [("eagle3", "online"), ("eagle1", "offline")])
+def test_recipe_runs_end_to_end_resumes_and_exports_a_loadable_head(tiny_model_dir, tmp_path, kind, features):
+    jsonl = tmp_path / "extra.jsonl"
+    jsonl.write_text(json.dumps({"prompt": "Describe a lighthouse."}) + "\n")
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(RECIPE.format(model=tiny_model_dir, kind=kind, out=tmp_path / "run", jsonl=jsonl,
+                                    features=features))
+    first = _run(recipe, "--steps", "3")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert json.loads(first.stdout.strip().splitlines()[-1])["steps"] == 3
+    second = _run(recipe)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed at step 3" in second.stdout
+    summary = json.loads(second.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 6
+    prompts = json.loads((tmp_path / "run" / "data" / "prompts.json").read_text())
+    assert len(prompts) == 9 and "Describe a lighthouse." in prompts
+    import eagle_jax
+
+    target = eagle_jax.load_target(str(tiny_model_dir))
+    head = eagle_jax.load_draft(summary["head"], target.cfg)
+    assert head.cfg.kind == kind
+    r = eagle_jax.generate(target, "hi", draft=head, tree=eagle_jax.TreeConfig(2, 2, 4), max_new_tokens=6)
+    assert r.token_ids == eagle_jax.generate(target, "hi", max_new_tokens=6).token_ids
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().strip().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [2, 3, 4, 6]  # the first run (--steps 3) logs its last step
+
+
+def test_recipe_errors_name_the_problem(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[target]\nmodel='x'\n[head]\n[data]\n[train]\nlearning_rate = 1\n")
+    out = _run(bad)
+    assert out.returncode == 2 and "learning_rate" in out.stderr and "[train]" in out.stderr
+    out = _run(tmp_path / "missing.toml")
+    assert out.returncode == 2 and "missing.toml" in out.stderr
+
+
+def test_recipe_with_an_eval_prompt_is_refused(tiny_model_dir, tmp_path):
+    from eagle_jax.train.data import eval_prompts
+
+    mt = next(k for k, v in eval_prompts().items() if v == "MT-bench")
+    jsonl = tmp_path / "contaminated.jsonl"
+    jsonl.write_text(json.dumps({"prompt": mt}) + "\n")
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(RECIPE.format(model=tiny_model_dir, kind="eagle3", out=tmp_path / "run", jsonl=jsonl,
+                                    features="online"))
+    out = _run(recipe)
+    assert out.returncode != 0 and "MT-bench" in out.stderr
