@@ -111,3 +111,14 @@ def test_recipe_with_an_eval_prompt_is_refused(tiny_model_dir, tmp_path):
                                     features="online"))
     out = _run(recipe)
     assert out.returncode != 0 and "MT-bench" in out.stderr
+
+
+def test_shipped_recipes_parse():
+    from eagle_jax.train.__main__ import load_recipe
+    from eagle_jax.train.trainer import OptimConfig
+
+    recipes = sorted((REPO / "train").glob("*.toml"))
+    assert len(recipes) >= 3
+    for r in recipes:
+        rec = load_recipe(r)
+        OptimConfig(**{k: v for k, v in rec["train"].items() if k != "out_dir"})

@@ -156,3 +156,47 @@ def test_sharded_training_on_8_devices_matches_1_device(tmp_path):
     out = subprocess.run([sys.executable, str(script)], env=dict(os.environ, PYTHONPATH=str(REPO)), timeout=600,
                          capture_output=True, text=True)
     assert out.returncode == 0 and "SHARDED_OK" in out.stdout, out.stderr[-3000:]
+
+
+DISTRIBUTED = textwrap.dedent("""
+    import sys
+    pid, nproc, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    sys.path.insert(0, {tests!r})
+    import jax
+    if nproc > 1:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{{port}}", num_processes=nproc, process_id=pid)
+    import numpy as np
+    from test_trainer import tiny_setup, CFG
+    from eagle_jax.draft import random_head
+    from eagle_jax.train.trainer import Trainer, OptimConfig
+    tgt, rows = tiny_setup(32)
+    tr = Trainer(tgt, random_head(CFG, "eagle3", seed=0, draft_vocab_size=97),
+                 OptimConfig(steps=4, lr=3e-3, batch_size=8, seq_len=32, ttt_length=2, log_every=1))
+    hist = tr.train(rows)
+    print("devices", jax.device_count(), "processes", jax.process_count(), flush=True)
+    if pid == 0:
+        np.savez(out, *[np.asarray(x) for x in jax.tree_util.tree_leaves(jax.device_get(tr.params))])
+""")
+
+
+def test_two_process_jax_distributed_training_matches_one_process(tmp_path):
+    import socket
+
+    script = tmp_path / "dist.py"
+    script.write_text(DISTRIBUTED.format(tests=str(REPO / "tests")))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    procs = [subprocess.Popen([sys.executable, str(script), str(i), "2", port, str(tmp_path / "two.npz")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    assert all("devices 2 processes 2" in o[0] for o in outs)
+    single = subprocess.run([sys.executable, str(script), "0", "1", "0", str(tmp_path / "one.npz")], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert single.returncode == 0, single.stderr[-2000:]
+    a, b = np.load(tmp_path / "two.npz"), np.load(tmp_path / "one.npz")
+    for k in a.files:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-7)
