@@ -43,6 +43,8 @@ class OptimConfig:
     cls_weight: float = 0.1  # EAGLE-1 classification
     noise_std: float = 0.0  # EAGLE-1 input-feature noise
     seed: int = 0
+    compute_dtype: str = "auto"  # "auto": bfloat16 on TPU/GPU, float32 on CPU; params stay float32
+    fsdp: int = 1  # devices per parameter shard (mesh axis "fsdp"); the rest form the "data" axis
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
     eval_every: int = 100
@@ -58,13 +60,37 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     return optax.MultiSteps(opt, every_k_schedule=cfg.grad_accum) if cfg.grad_accum > 1 else opt
 
 
-def data_mesh(devices=None) -> jax.sharding.Mesh:
-    """A 1-D mesh over all devices; batches are split along 'data', params replicated."""
-    devices = devices if devices is not None else jax.devices()
-    return jax.sharding.Mesh(np.asarray(devices), ("data",))
+def data_mesh(devices=None, fsdp: int = 1) -> jax.sharding.Mesh:
+    """A (data, fsdp) mesh over the devices: batches split over both axes, params over 'fsdp'."""
+    devices = list(devices if devices is not None else jax.devices())
+    if len(devices) % fsdp:
+        raise ValueError(f"fsdp={fsdp} does not divide the {len(devices)} devices")
+    return jax.sharding.Mesh(np.asarray(devices).reshape(len(devices) // fsdp, fsdp), ("data", "fsdp"))
+
+
+def param_sharding(mesh, x) -> NamedSharding:
+    """Shards a parameter's largest dimension divisible by the fsdp axis; small ones are replicated."""
+    n = mesh.shape["fsdp"]
+    if n > 1 and x.ndim >= 2:
+        dims = sorted(range(x.ndim), key=lambda d: -x.shape[d])
+        for d in dims:
+            if x.shape[d] % n == 0:
+                spec = [None] * x.ndim
+                spec[d] = "fsdp"
+                return NamedSharding(mesh, P(*spec))
+    return NamedSharding(mesh, P())
+
+
+def compute_dtype(cfg: OptimConfig):
+    if cfg.compute_dtype == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    return jnp.dtype(cfg.compute_dtype)
 
 
 def _loss(params, rest, graphdef, target, batch: dict, key, cfg: OptimConfig):
+    # Master params stay float32; the forward runs in the compute dtype (gradients flow back through the cast).
+    dt = compute_dtype(cfg)
+    params = jax.tree_util.tree_map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
     head = nnx.merge(graphdef, params, rest)
     mask = batch["mask"]
     if head.cfg.kind == "eagle3":
@@ -80,14 +106,14 @@ def _loss(params, rest, graphdef, target, batch: dict, key, cfg: OptimConfig):
 class Trainer:
     def __init__(self, target, head: DraftHead, cfg: OptimConfig, mesh=None):
         self.target, self.cfg = target, cfg
-        self.mesh = mesh or data_mesh()
+        self.mesh = mesh or data_mesh(fsdp=cfg.fsdp)
         self.graphdef, params, self.rest = nnx.split(head, nnx.Param, ...)
-        self.replicated = NamedSharding(self.mesh, P())
-        self.batch_sharding = NamedSharding(self.mesh, P("data"))
-        # Copies: the step donates its params, and the caller's head must stay usable.
-        self.params = jax.device_put(jax.tree_util.tree_map(jnp.array, params), self.replicated)
+        self.batch_sharding = NamedSharding(self.mesh, P(("data", "fsdp")))
+        # float32 master copies (the step donates its params, and the caller's head must stay usable).
+        params = jax.tree_util.tree_map(lambda x: jnp.array(x, jnp.float32), params)
+        self.params = jax.tree_util.tree_map(lambda x: jax.device_put(x, param_sharding(self.mesh, x)), params)
         self.tx = make_optimizer(cfg)
-        self.opt_state = jax.device_put(self.tx.init(self.params), self.replicated)
+        self.opt_state = jax.jit(self.tx.init)(self.params)  # follows the params' shardings
         self.target_graphdef, self.target_state = nnx.split(target.model)
         self.extractor = FeatureExtractor(target, head.cfg.aux_layers if head.cfg.kind == "eagle3" else ())
         self.step = 0
