@@ -133,7 +133,9 @@ class PlainEngine:
         self.graphdef, self.state = nnx.split(target.model)
 
     def generate(self, prompt_ids: list[list[int]], *, max_new_tokens: int, params: SamplingParams,
-                 stop: Sequence[str] = (), on_token=None, ignore_eos: bool = False) -> GenerationResult:
+                 stop: Sequence[str] = (), on_token=None, ignore_eos: bool = False,
+                 max_steps: int | None = None) -> GenerationResult:
+        """max_steps stops after that many target forwards (benchmark warm-ups: real buckets, little work)."""
         cfg = self.target.cfg
         n = len(prompt_ids)
         lens = np.array([len(p) for p in prompt_ids], np.int32)
@@ -179,7 +181,7 @@ class PlainEngine:
                 if on_token is not None and not was_done:
                     on_token(r, int(host[r]))
                 done &= finished
-            if done or last:
+            if done or last or (max_steps is not None and steps >= max_steps):
                 break
             current = nxt
         elapsed = time.perf_counter() - start
@@ -227,6 +229,7 @@ def generate(
     on_token=None,
     ignore_eos: bool = False,
     tree=None,
+    max_steps: int | None = None,
 ) -> GenerationResult:
     """Generates continuations for a batch of prompts.
 
@@ -255,6 +258,6 @@ def generate(
 
         return spec_engine_for(target, draft).generate(
             ids, max_new_tokens=max_new_tokens, params=params, tree=tree or TreeConfig(), stop=stop,
-            on_token=on_token, ignore_eos=ignore_eos)
+            on_token=on_token, ignore_eos=ignore_eos, max_steps=max_steps)
     return _engine_for(target).generate(ids, max_new_tokens=max_new_tokens, params=params, stop=stop,
-                                        on_token=on_token, ignore_eos=ignore_eos)
+                                        on_token=on_token, ignore_eos=ignore_eos, max_steps=max_steps)

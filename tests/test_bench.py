@@ -1,0 +1,55 @@
+"""`python -m eagle_jax.bench`: datasets, the JSON report, errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from eagle_jax.bench import load_dataset
+
+REQUIRED = {"dataset", "batch_size", "temperature", "prompts", "plain_tokens_per_s", "spec_tokens_per_s", "speedup",
+            "tau", "accept_histogram", "greedy_identical"}
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", "eagle_jax.bench", "--no-progress", *args], capture_output=True,
+                          text=True, timeout=900)
+
+
+def test_builtin_datasets_and_jsonl(tmp_path):
+    mt, he = load_dataset("mt_bench"), load_dataset("humaneval")
+    assert len(mt) == 80 and len(he) == 164
+    assert he[0].startswith("\n\ndef has_close_elements") or "def " in he[0]
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a"}\n{"turns": ["b", "c"]}\n')
+    assert load_dataset(str(f)) == ["a", "b"]
+    f.write_text('{"text": "x"}\n')
+    with pytest.raises(ValueError, match=r"p\.jsonl:1"):
+        load_dataset(str(f))
+
+
+def test_errors_are_clear(tmp_path):
+    out = _run("--dataset", str(tmp_path / "none.jsonl"))
+    assert out.returncode == 2 and "none.jsonl" in out.stderr and "Traceback" not in out.stderr
+    out = _run("--tree", "2,2,50")
+    assert out.returncode == 2 and "tree_tokens" in out.stderr
+
+
+@pytest.mark.slow
+def test_bench_reports_every_combination_and_checks_greedy_identity(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "Name a fruit."}\n{"prompt": "Say hi."}\n{"prompt": "Count to three."}\n')
+    out_json = tmp_path / "bench.json"
+    out = _run("--dataset", str(f), "--max-new-tokens", "8", "--batch-size", "1", "2", "--temperature", "0", "0.8",
+               "--tree", "2,2,4", "--json", str(out_json))
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out_json.read_text())
+    assert len(report["results"]) == 4
+    for r in report["results"]:
+        assert REQUIRED <= set(r)
+        assert r["prompts"] == 3 and r["plain_tokens_per_s"] > 0 and r["spec_tokens_per_s"] > 0
+        assert r["speedup"] == pytest.approx(r["spec_tokens_per_s"] / r["plain_tokens_per_s"])
+        assert r["greedy_identical"] is (True if r["temperature"] == 0 else None)
+        assert r["tau"] >= 1.0 and sum(r["accept_histogram"]) > 0
+    assert "speedup" in out.stdout and str(out_json) in out.stdout
