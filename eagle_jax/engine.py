@@ -58,6 +58,32 @@ def decode_step(graphdef, state, token, cache: KVCache, params: SamplingParams):
     return sample(out.logits, params, cache.lengths), cache
 
 
+def prepare_batch(cfg, prompt_ids, max_new_tokens: int, params: SamplingParams, slack: int = 0):
+    """Validates lengths and pads prompts into the static buckets.
+
+    Returns (tokens [b, t], prompt_lens [b], params padded to b, cache length s). `slack` is extra
+    cache room past the last token (a speculative step writes its whole tree there).
+    """
+    n = len(prompt_ids)
+    lens = np.array([len(p) for p in prompt_ids], np.int32)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    for i in range(n):
+        if lens[i] + max_new_tokens + slack > cfg.max_position:
+            extra = f" (+{slack} speculative slack)" if slack else ""
+            raise ValueError(
+                f"prompt {i} has {lens[i]} tokens; with max_new_tokens={max_new_tokens}{extra} that exceeds the "
+                f"model's context length {cfg.max_position}")
+    b = next_pow2(n)
+    t = length_bucket(int(lens.max()))
+    s = next_pow2(max(t, int(lens.max()) + max_new_tokens + 1 + slack), 128)
+    tokens = np.zeros((b, t), np.int32)
+    for i, p in enumerate(prompt_ids):
+        tokens[i, : len(p)] = p
+    prompt_lens = np.concatenate([lens, np.ones(b - n, np.int32)])
+    return tokens, prompt_lens, params.pad_to(b), s
+
+
 @dataclasses.dataclass
 class GenerationResult:
     texts: list[str]
@@ -136,26 +162,8 @@ class PlainEngine:
                  stop: Sequence[str] = (), on_token=None, ignore_eos: bool = False,
                  max_steps: int | None = None) -> GenerationResult:
         """max_steps stops after that many target forwards (benchmark warm-ups: real buckets, little work)."""
-        cfg = self.target.cfg
-        n = len(prompt_ids)
-        lens = np.array([len(p) for p in prompt_ids], np.int32)
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        too_long = [i for i in range(n) if lens[i] + max_new_tokens > cfg.max_position]
-        if too_long:
-            i = too_long[0]
-            raise ValueError(
-                f"prompt {i} has {lens[i]} tokens; with max_new_tokens={max_new_tokens} that exceeds the "
-                f"model's context length {cfg.max_position}"
-            )
-        b = next_pow2(n)
-        t = length_bucket(int(lens.max()))
-        s = next_pow2(max(t, int(lens.max()) + max_new_tokens + 1), 128)
-        tokens = np.zeros((b, t), np.int32)
-        for i, p in enumerate(prompt_ids):
-            tokens[i, : len(p)] = p
-        prompt_lens = np.concatenate([lens, np.ones(b - n, np.int32)])
-        params = params.pad_to(b)
+        tokens, prompt_lens, params, s = prepare_batch(self.target.cfg, prompt_ids, max_new_tokens, params)
+        n, b, t = len(prompt_ids), tokens.shape[0], tokens.shape[1]
         eos = () if ignore_eos else self.target.eos_token_ids
         tok = self.target.tokenizer
         rows = [StopChecker(tok, eos, stop, max_new_tokens) for _ in range(n)]

@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.accept import accept
-from eagle_jax.engine import GenerationResult, StopChecker, TRACE_COUNTS, length_bucket, next_pow2
+from eagle_jax.engine import GenerationResult, StopChecker, TRACE_COUNTS, prepare_batch
 from eagle_jax.kv_cache import KVCache, gather_rows
 from eagle_jax.sampling import SamplingParams, sample
 from eagle_jax.tree import TreeConfig, select_tree
@@ -181,25 +181,10 @@ class SpecEngine:
     def generate(self, prompt_ids, *, max_new_tokens: int, params: SamplingParams, tree: TreeConfig,
                  stop: Sequence[str] = (), on_token=None, ignore_eos: bool = False,
                  max_steps: int | None = None) -> GenerationResult:
-        cfg = self.target.cfg
-        n = len(prompt_ids)
-        lens = np.array([len(p) for p in prompt_ids], np.int32)
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         d = tree.depth
-        for i in range(n):
-            if lens[i] + max_new_tokens + d + 1 > cfg.max_position:
-                raise ValueError(
-                    f"prompt {i} has {lens[i]} tokens; with max_new_tokens={max_new_tokens} (+{d + 1} speculative "
-                    f"slack) that exceeds the model's context length {cfg.max_position}")
-        b = next_pow2(n)
-        t = length_bucket(int(lens.max()))
-        s_len = next_pow2(max(t, int(lens.max()) + max_new_tokens + tree.tree_tokens + d + 1), 128)
-        tokens = np.zeros((b, t), np.int32)
-        for i, p in enumerate(prompt_ids):
-            tokens[i, : len(p)] = p
-        prompt_lens = np.concatenate([lens, np.ones(b - n, np.int32)])
-        params = params.pad_to(b)
+        tokens, prompt_lens, params, s_len = prepare_batch(self.target.cfg, prompt_ids, max_new_tokens, params,
+                                                           slack=tree.tree_tokens + d)
+        n, b, t = len(prompt_ids), tokens.shape[0], tokens.shape[1]
         eos = () if ignore_eos else self.target.eos_token_ids
         rows = [StopChecker(self.target.tokenizer, eos, stop, max_new_tokens) for _ in range(n)]
 
