@@ -26,7 +26,7 @@ from flax import nnx
 
 from eagle_jax.config import ModelConfig, RopeConfig, rope_from_hf
 from eagle_jax.kv_cache import KVCache, write_rows
-from eagle_jax.model import _inv_freq, apply_rope, causal_mask, rms_norm
+from eagle_jax.model import _inv_freq, apply_rope, causal_mask, param_factories, rms_norm
 from pallas_kernels import tree_attention
 
 KINDS = ("eagle1", "eagle3")
@@ -101,14 +101,7 @@ class DraftHead(nnx.Module):
         self.dtype = dtype
         H, F = cfg.hidden_size, cfg.intermediate_size
         qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        init = nnx.initializers.normal(0.02)
-
-        def w(*shape):
-            return nnx.Param(init(rngs.params(), shape, dtype))
-
-        def ones(*shape):
-            return nnx.Param(jnp.ones(shape, dtype))
-
+        w, ones, _ = param_factories(rngs, dtype)
         attn_in = 2 * H if cfg.kind == "eagle3" else H
         fc_in = 3 * H if cfg.kind == "eagle3" else 2 * H
         self.fc = w(fc_in, H)

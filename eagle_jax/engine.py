@@ -192,24 +192,24 @@ class PlainEngine:
             if done or last or (max_steps is not None and steps >= max_steps):
                 break
             current = nxt
-        elapsed = time.perf_counter() - start
-        generated = sum(len(r.tokens) for r in rows)
-        stats = {
-            "steps": steps,
-            "generated_tokens": generated,
-            "wall_s": elapsed,
-            "time_to_first_token_s": first_token_s,
-            "tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
-            "accepted_per_step": [1.0],
-            "tau": 1.0,
-            "buckets": {"batch": b, "prompt": t, "cache": s},
-        }
-        return GenerationResult(
-            texts=[r.text() for r in rows],
-            token_ids=[r.tokens for r in rows],
-            finish_reasons=[r.reason or "length" for r in rows],
-            stats=stats,
-        )
+        return finish_result(rows, start, first_token_s, steps, accepted_per_step=[1.0], tau=1.0,
+                             buckets={"batch": b, "prompt": t, "cache": s})
+
+
+def finish_result(rows: Sequence[StopChecker], start: float, first_token_s, steps: int, **extra) -> GenerationResult:
+    """Texts, ids, finish reasons and the common stats (plus engine-specific `extra`) of a finished run."""
+    elapsed = time.perf_counter() - start
+    generated = sum(len(r.tokens) for r in rows)
+    stats = {
+        "steps": steps,
+        "generated_tokens": generated,
+        "wall_s": elapsed,
+        "time_to_first_token_s": first_token_s,
+        "tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
+        **extra,
+    }
+    return GenerationResult(texts=[r.text() for r in rows], token_ids=[r.tokens for r in rows],
+                            finish_reasons=[r.reason or "length" for r in rows], stats=stats)
 
 
 _ENGINES: dict[int, PlainEngine] = {}

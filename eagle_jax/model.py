@@ -60,23 +60,21 @@ def causal_mask(t: int):
     return jnp.tril(jnp.ones((t, t), dtype=bool))
 
 
+def param_factories(rngs: nnx.Rngs, dtype):
+    """(random normal(0.02), ones, zeros) parameter constructors taking a shape."""
+    init = nnx.initializers.normal(0.02)
+    return (lambda *shape: nnx.Param(init(rngs.params(), shape, dtype)),
+            lambda *shape: nnx.Param(jnp.ones(shape, dtype)),
+            lambda *shape: nnx.Param(jnp.zeros(shape, dtype)))
+
+
 class Block(nnx.Module):
     """One decoder layer's parameters."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
         H, F = cfg.hidden_size, cfg.intermediate_size
         qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        init = nnx.initializers.normal(0.02)
-
-        def w(*shape):
-            return nnx.Param(init(rngs.params(), shape, dtype))
-
-        def ones(*shape):
-            return nnx.Param(jnp.ones(shape, dtype))
-
-        def zeros(*shape):
-            return nnx.Param(jnp.zeros(shape, dtype))
-
+        w, ones, zeros = param_factories(rngs, dtype)
         self.attn_norm = ones(H)
         self.wq, self.wk, self.wv = w(H, qd), w(H, kd), w(H, kd)
         self.wo = w(qd, H)

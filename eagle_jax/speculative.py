@@ -29,7 +29,7 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.accept import accept
-from eagle_jax.engine import GenerationResult, StopChecker, TRACE_COUNTS, prepare_batch
+from eagle_jax.engine import GenerationResult, StopChecker, TRACE_COUNTS, finish_result, prepare_batch
 from eagle_jax.kv_cache import KVCache, gather_rows
 from eagle_jax.sampling import SamplingParams, sample
 from eagle_jax.tree import TreeConfig, select_tree
@@ -217,23 +217,15 @@ class SpecEngine:
                     if finished:
                         break
                 active[r] = row.reason is None
-        elapsed = time.perf_counter() - start
-        generated = sum(len(r.tokens) for r in rows)
         hist = np.bincount(np.asarray(counts, np.int64), minlength=d + 2)[1:].tolist() if counts else []
-        stats = {
-            "steps": steps,
-            "generated_tokens": generated,
-            "wall_s": elapsed,
-            "time_to_first_token_s": first_token_s,
-            "tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
-            "tau": float(np.mean(counts)) if counts else 1.0,
-            "accepted_per_step": counts,
-            "accept_histogram": hist,  # hist[i] = verify steps that emitted i + 1 tokens
-            "tree": dataclasses.asdict(tree),
-            "buckets": {"batch": b, "prompt": t, "cache": s_len},
-        }
-        return GenerationResult(texts=[r.text() for r in rows], token_ids=[r.tokens for r in rows],
-                                finish_reasons=[r.reason or "length" for r in rows], stats=stats)
+        return finish_result(
+            rows, start, first_token_s, steps,
+            tau=float(np.mean(counts)) if counts else 1.0,
+            accepted_per_step=counts,
+            accept_histogram=hist,  # hist[i] = verify steps that emitted i + 1 tokens
+            tree=dataclasses.asdict(tree),
+            buckets={"batch": b, "prompt": t, "cache": s_len},
+        )
 
 
 _SPEC_ENGINES: dict[tuple[int, int], SpecEngine] = {}
