@@ -1,8 +1,17 @@
 """Pallas kernels for eagle-jax (importable on its own; no dependency on eagle_jax).
 
-`tree_attention` is the one entry point: tree-masked attention over a KV cache, dispatched by backend.
+`tree_attention` is the one entry point: tree-masked attention over a KV cache, dispatched by backend
+to a TPU (Mosaic) kernel, a GPU (Triton) kernel or the pure-jnp reference.
 """
 
-from pallas_kernels.tree_attention import tree_attention, tree_attention_reference
+from pallas_kernels.block_sizes import BlockSizes
+from pallas_kernels.tree_attention import (
+    IMPLEMENTATIONS,
+    default_implementation,
+    tree_attention,
+    tree_attention_reference,
+    use_implementation,
+)
 
-__all__ = ["tree_attention", "tree_attention_reference"]
+__all__ = ["BlockSizes", "IMPLEMENTATIONS", "default_implementation", "tree_attention",
+           "tree_attention_reference", "use_implementation"]

@@ -11,17 +11,36 @@ verification). Slots at or past `length + M` are never read: they may hold anyth
 
 A causal mask makes this ordinary prefill / decode attention (N = 1 is a decode step), so the engine
 runs all of its attention through this one function.
+
+Implementations (same signature, same numbers up to rounding):
+  "reference"  pure jnp, below; XLA fuses it well enough on CPU.
+  "tpu"        Pallas Mosaic kernel (pallas_kernels/tpu.py).
+  "gpu"        Pallas Triton kernel (pallas_kernels/gpu.py).
+`tree_attention` picks by `jax.default_backend()`: TPU -> "tpu", GPU -> "gpu", anything else ->
+"reference" (Pallas runs on CPU only in interpret mode, which is for tests: it is slow). Head shapes
+a compiled kernel does not take (see `_kernel_takes`) fall back to the reference.
+`use_implementation(...)` overrides that choice for everything traced inside it, e.g. to run the
+whole engine through an interpreted kernel in a test.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.block_sizes import BlockSizes
 
-def tree_attention_reference(q, k_cache, v_cache, lengths, tree_mask, *, interpret: bool = False):
+IMPLEMENTATIONS = ("reference", "tpu", "gpu")
+
+
+def tree_attention_reference(q, k_cache, v_cache, lengths, tree_mask, *, block_sizes: BlockSizes | None = None,
+                             interpret=False):
     """Pure-jnp tree attention. q [B,N,Hq,D]; caches [B,S,K,D]; lengths [B]; tree_mask [B,N,M] bool."""
-    del interpret  # same signature as the kernels
+    del block_sizes, interpret  # same signature as the kernels
     b, n, hq, d = q.shape
     s, k = k_cache.shape[1], k_cache.shape[2]
     g = hq // k
@@ -49,10 +68,85 @@ def tree_attention_reference(q, k_cache, v_cache, lengths, tree_mask, *, interpr
     return out.reshape(b, n, hq, d).astype(q.dtype)
 
 
-def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, interpret: bool = False):
-    """Dispatches to the best implementation for the current backend.
+@dataclasses.dataclass(frozen=True)
+class _Choice:
+    implementation: str
+    interpret: object = False
+    block_sizes: BlockSizes | None = None
 
-    Only the reference exists so far; the TPU (Mosaic) and GPU (Triton) kernels plug in here with
-    the same signature.
+
+_forced: contextvars.ContextVar[_Choice | None] = contextvars.ContextVar("tree_attention_implementation",
+                                                                         default=None)
+
+
+def _check_implementation(name):
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"tree attention implementation must be one of {IMPLEMENTATIONS}, got {name!r}")
+
+
+def default_implementation() -> str:
+    """The kernel for the default backend: "tpu", "gpu" or (CPU and anything else) "reference"."""
+    return {"tpu": "tpu", "gpu": "gpu"}.get(jax.default_backend(), "reference")
+
+
+def _kernel_takes(implementation: str, q, k_cache) -> bool:
+    """Whether the backend's compiled kernel handles these head shapes (else the default falls back).
+
+    GPU: Triton tensors are powers of two, so the head dim must be one. TPU: the kernel slices each
+    KV head's lanes out of a [block_kv, Hkv * D] slab; only lane-tile-aligned slices (D a multiple of
+    128, or a single KV head) are used by default until other head dims are validated on hardware.
     """
+    d, kv_heads = q.shape[-1], k_cache.shape[2]
+    if implementation == "gpu":
+        return d & (d - 1) == 0 and d >= 16
+    return d % 128 == 0 or kv_heads == 1
+
+
+@contextlib.contextmanager
+def use_implementation(implementation: str, *, interpret=False, block_sizes: BlockSizes | None = None):
+    """Routes every `tree_attention` call traced inside the block to `implementation`.
+
+    The choice is read at trace time: a function jitted and traced before (same shapes) keeps the
+    implementation it was traced with, so call `jax.clear_caches()` around the block when the same
+    jitted functions run both ways. interpret: passed to the kernel (True, or for "tpu" also a
+    `pltpu.InterpretParams()`); block_sizes: the kernel's tiles (None: its defaults).
+    """
+    _check_implementation(implementation)
+    token = _forced.set(_Choice(implementation, interpret, block_sizes))
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, interpret=False, implementation: str | None = None,
+                   block_sizes: BlockSizes | None = None):
+    """Tree attention through the best implementation for the backend (see the module docstring).
+
+    q [B, N, Hq, D]; caches [B, S, Hkv, D] with the tree's keys at [length, length + M); lengths [B]
+    int32; tree_mask [B, N, M] bool. Returns [B, N, Hq, D] in q's dtype.
+
+    interpret: run the chosen kernel in Pallas interpret mode (tests); ignored by the reference.
+    An explicit `implementation` wins over `use_implementation`, which wins over the backend default.
+    """
+    forced = _forced.get()
+    if implementation is None and forced is not None:
+        implementation = forced.implementation
+        interpret = interpret or forced.interpret
+        block_sizes = forced.block_sizes if block_sizes is None else block_sizes
+    if implementation is None:
+        implementation = default_implementation()
+        if implementation != "reference" and not interpret and not _kernel_takes(implementation, q, k_cache):
+            implementation = "reference"
+    _check_implementation(implementation)
+    if implementation == "tpu":
+        from pallas_kernels.tpu import tree_attention_tpu  # kernel modules load only when used
+
+        return tree_attention_tpu(q, k_cache, v_cache, lengths, tree_mask, block_sizes=block_sizes,
+                                  interpret=interpret)
+    if implementation == "gpu":
+        from pallas_kernels.gpu import tree_attention_gpu
+
+        return tree_attention_gpu(q, k_cache, v_cache, lengths, tree_mask, block_sizes=block_sizes,
+                                  interpret=interpret)
     return tree_attention_reference(q, k_cache, v_cache, lengths, tree_mask, interpret=interpret)
