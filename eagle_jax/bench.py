@@ -73,8 +73,9 @@ def build_parser():
     p = argparse.ArgumentParser(prog="python -m eagle_jax.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m-instruct", help="target model (default: %(default)s)")
-    p.add_argument("--draft", default="random",
-                   help="draft head directory, 'default' (the shipped head) or 'random' (default: %(default)s)")
+    p.add_argument("--draft", default="default",
+                   help="draft head directory, 'default' (the head shipped for --model) or 'random' "
+                        "(untrained; default: %(default)s)")
     p.add_argument("--dataset", action="append", default=None,
                    help="mt_bench, humaneval or a JSONL path with 'prompt'/'turns'; repeatable (default: mt_bench)")
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each dataset")
@@ -90,15 +91,12 @@ def build_parser():
 
 
 def resolve_draft(spec: str, target):
-    import eagle_jax
+    from eagle_jax.loader import resolve_draft
 
-    if spec == "random":
-        return eagle_jax.random_head(target.cfg, "eagle3")
-    if spec == "default":
-        from eagle_jax.loader import default_head_path
-
-        return eagle_jax.load_draft(default_head_path(target), target.cfg)
-    return eagle_jax.load_draft(spec, target.cfg)
+    if spec in ("none", "auto"):
+        raise ValueError(f"--draft {spec}: the benchmark compares against a draft head; "
+                         "pass 'default', 'random' or a head directory")
+    return resolve_draft(spec, target)
 
 
 def run_bench(target, draft, prompts, *, batch_size, temperature, max_new_tokens, tree, seed, progress=None):

@@ -263,9 +263,19 @@ def head_config_json(cfg: DraftConfig) -> dict:
     return out
 
 
-def save_draft(head: DraftHead, path) -> Path:
-    """Writes config.json + model.safetensors in the official EAGLE / EAGLE-3 layout."""
+def save_draft(head: DraftHead, path, dtype="float32") -> Path:
+    """Writes config.json + model.safetensors in the official EAGLE / EAGLE-3 layout.
+
+    `dtype` is the storage type of the float tensors: "float32" or "bfloat16" (half the size; the
+    shipped heads use it). `load_draft` casts to the requested compute dtype either way.
+    """
+    import ml_dtypes
     from safetensors.numpy import save_file
+
+    store = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}.get(str(np.dtype(dtype)) if not
+                                                                         isinstance(dtype, str) else dtype)
+    if store is None:
+        raise ValueError(f"save_draft: dtype must be 'float32' or 'bfloat16', got {dtype!r}")
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -279,7 +289,7 @@ def save_draft(head: DraftHead, path) -> Path:
         if attr == "d2t":
             arr = arr.astype(np.int64)
         else:
-            arr = arr.astype(np.float32)
+            arr = arr.astype(np.float32).astype(store)
         tensors[name] = np.ascontiguousarray(arr.T if transpose else arr)
     if cfg.kind == "eagle3":
         d2t = np.asarray(head.d2t[...]).astype(np.int64)
@@ -287,7 +297,7 @@ def save_draft(head: DraftHead, path) -> Path:
         t2d[np.arange(cfg.draft_vocab_size) + d2t] = True
         tensors["t2d"] = t2d
     else:
-        tensors["layers.0.input_layernorm.weight"] = np.ones((cfg.hidden_size,), np.float32)
+        tensors["layers.0.input_layernorm.weight"] = np.ones((cfg.hidden_size,), store)
     save_file(tensors, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(head_config_json(cfg), indent=2))
     return path
@@ -361,6 +371,8 @@ def load_draft(path, target_cfg: ModelConfig | None = None, dtype=jnp.float32) -
                                  f"{tuple(reversed(want)) if transpose else want}")
         arr = handle.get_tensor(name)
         arr = arr.T if transpose else arr
+        if attr != "d2t":
+            arr = arr.astype(np.float32)  # bf16 storage -> float32, then the compute dtype
         var.set_value(jnp.asarray(arr, jnp.int32 if attr == "d2t" else dtype))
         consumed.add(name)
     leftovers = sorted(names - consumed - set(unused))

@@ -31,13 +31,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random seed; prompt i uses seed + i (default: %(default)s)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); the text is cut before it")
     p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text instead of applying the chat template")
-    p.add_argument("--draft", default="none",
-                   help="EAGLE draft head: a head directory (official EAGLE / EAGLE-3 layout), 'random' for an "
-                        "untrained EAGLE-3 head (testing; output is unchanged, just not faster), or 'none' "
-                        "for plain decoding (default: %(default)s)")
-    p.add_argument("--depth", type=int, default=4, help="draft tree depth (default: %(default)s)")
-    p.add_argument("--topk", type=int, default=4, help="children per expanded draft node (default: %(default)s)")
-    p.add_argument("--tree-tokens", type=int, default=16,
+    p.add_argument("--draft", default="auto",
+                   help="EAGLE draft head: 'auto' (the head shipped for --model if there is one, else plain "
+                        "decoding), 'default' (the shipped head; an error if none), a head directory (official "
+                        "EAGLE / EAGLE-3 layout), 'random' (an untrained EAGLE-3 head: same output, not faster) "
+                        "or 'none' for plain decoding (default: %(default)s)")
+    from eagle_jax.tree import TreeConfig
+
+    tree = TreeConfig()
+    p.add_argument("--depth", type=int, default=tree.depth, help="draft tree depth (default: %(default)s)")
+    p.add_argument("--topk", type=int, default=tree.topk, help="children per expanded draft node (default: %(default)s)")
+    p.add_argument("--tree-tokens", type=int, default=tree.tree_tokens,
                    help="tokens the target verifies per step, root included (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object (texts, token ids, stats) instead of text")
     return p
@@ -53,17 +57,15 @@ def main(argv=None) -> int:
     except eagle_jax.LoadError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    draft, tree = None, None
-    if args.draft != "none":
-        from eagle_jax.tree import TreeConfig
+    from eagle_jax.loader import resolve_draft
+    from eagle_jax.tree import TreeConfig
 
-        try:
-            tree = TreeConfig(depth=args.depth, topk=args.topk, tree_tokens=args.tree_tokens)
-            draft = (eagle_jax.random_head(target.cfg, "eagle3") if args.draft == "random"
-                     else eagle_jax.load_draft(args.draft, target.cfg))
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+    try:
+        draft = resolve_draft(args.draft, target)
+        tree = TreeConfig(depth=args.depth, topk=args.topk, tree_tokens=args.tree_tokens) if draft else None
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     stream = not args.json and len(args.prompt) == 1 and sys.stdout.isatty()
     printed = [""]
 

@@ -414,6 +414,31 @@ def default_head_path(target) -> Path:
     return path
 
 
+def has_default_head(target) -> bool:
+    rel = DEFAULT_HEADS.get(target.name)
+    return bool(rel) and (Path(__file__).parent / rel / "config.json").exists()
+
+
+def resolve_draft(spec, target):
+    """A draft head from a CLI / config value: None or "none" (plain decoding), "default" (the shipped
+    head; an error when none ships for this target), "auto" (the shipped head when there is one, else
+    none), "random" (an untrained EAGLE-3 head, for tests), or a head directory.
+
+    Errors are FileNotFoundError / DraftLoadError (a ValueError) with a message naming the path.
+    """
+    from eagle_jax.draft import load_draft, random_head
+
+    if spec is None or spec == "none":
+        return None
+    if spec == "auto":
+        return load_draft(default_head_path(target), target.cfg) if has_default_head(target) else None
+    if spec == "default":
+        return load_draft(default_head_path(target), target.cfg)
+    if spec == "random":
+        return random_head(target.cfg, "eagle3")
+    return load_draft(spec, target.cfg)
+
+
 def builtin_path(name: str) -> Path:
     package, filename = BUILTIN_MODELS[name]
     # Locate the package without importing it: its __init__ pulls in dependencies we do not need.

@@ -196,6 +196,24 @@ def test_official_layout_round_trip_gives_identical_outputs(deep_target, tmp_pat
         np.testing.assert_array_equal(np.asarray(getattr(head, name)[...]), np.asarray(getattr(loaded, name)[...]))
 
 
+def test_bfloat16_storage_halves_the_file_and_rounds_weights(deep_target, tmp_path):
+    import ml_dtypes
+
+    head = random_head(deep_target.cfg, "eagle3", seed=3, draft_vocab_size=60)
+    save_draft(head, tmp_path / "f32")
+    save_draft(head, tmp_path / "bf16", dtype="bfloat16")
+    f32 = (tmp_path / "f32" / "model.safetensors").stat().st_size
+    bf16 = (tmp_path / "bf16" / "model.safetensors").stat().st_size
+    assert bf16 < 0.6 * f32
+    loaded = eagle_jax.load_draft(tmp_path / "bf16", deep_target.cfg)
+    want = np.asarray(head.fc[...]).astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(loaded.fc[...]), want)
+    assert loaded.fc[...].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(loaded.d2t[...]), np.asarray(head.d2t[...]))
+    with pytest.raises(ValueError, match="dtype"):
+        save_draft(head, tmp_path / "x", dtype="float16")
+
+
 def test_loading_a_broken_head_names_the_tensor(deep_target, tmp_path):
     from safetensors.numpy import load_file, save_file
 

@@ -218,3 +218,21 @@ def test_gradient_accumulation_updates_every_k_steps(setup):
     p4 = snap()
     assert all(np.array_equal(a, b) for a, b in zip(p2, p3))  # odd micro-step: gradients only accumulate
     assert any(not np.array_equal(a, b) for a, b in zip(p3, p4))
+
+
+def test_length_buckets_trim_padding_without_changing_the_metrics(setup):
+    from eagle_jax.train.features import group_by_length, token_batches
+
+    tgt, rows = setup
+    rows = [(t[:n], m[:n]) for (t, m), n in zip(rows[:40], np.random.default_rng(1).integers(6, 30, 40))]
+    grouped = group_by_length(rows, 8, seed=0)
+    assert sorted(map(id, grouped)) == sorted(map(id, rows))  # a permutation
+    spans = [max(len(r[0]) for r in grouped[i:i + 8]) - min(len(r[0]) for r in grouped[i:i + 8])
+             for i in range(0, 40, 8)]
+    assert max(spans) <= 8  # similar lengths share a batch
+    shapes = {b.tokens.shape[1] for _, b in token_batches(grouped, 8, 32, seq_bucket=8)}
+    assert shapes <= {8, 16, 24, 32} and len(shapes) > 1
+    head = random_head(CFG, "eagle3", seed=0, draft_vocab_size=97)
+    fixed = Trainer(tgt, head, OptimConfig(batch_size=8, seq_len=32, ttt_length=2)).evaluate(grouped)
+    bucketed = Trainer(tgt, head, OptimConfig(batch_size=8, seq_len=32, ttt_length=2, seq_bucket=8)).evaluate(grouped)
+    np.testing.assert_allclose(bucketed, fixed, rtol=1e-5)

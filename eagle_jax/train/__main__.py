@@ -21,7 +21,7 @@ KNOWN = {
     "target": {"model"},
     "head": {"kind", "draft_vocab_size", "init_from_target_layer", "seed"},
     "data": {"dir", "sources", "max_new_tokens", "temperature", "top_p", "batch_size", "shard_size", "seed",
-             "holdout", "features", "features_dir"},
+             "holdout", "features", "features_dir", "limit"},
     "train": {"out_dir"} | {f.name for f in dataclasses.fields(__import__(
         "eagle_jax.train.trainer", fromlist=["OptimConfig"]).OptimConfig)},
 }
@@ -64,7 +64,8 @@ def build_prompts(target, sources, base: Path) -> list[str]:
             prompts += data.topic_prompts(src["topics"])
         elif kind == "magpie":
             prompts += data.magpie_prompts(target, int(src.get("n", 64)), seed=int(src.get("seed", 0)),
-                                           temperature=float(src.get("temperature", 1.0)))
+                                           temperature=float(src.get("temperature", 1.0)),
+                                           batch_size=int(src.get("batch_size", 8)))
         else:
             raise RecipeError(f"data.sources[{i}]: unknown kind {kind!r} (jsonl, topics, magpie)")
     return prompts
@@ -119,7 +120,8 @@ def main(argv=None) -> int:
         top_p=float(d.get("top_p", 1.0)), batch_size=int(d.get("batch_size", 8)),
         shard_size=int(d.get("shard_size", 64)), seed=int(d.get("seed", 0)))
     t0 = time.perf_counter()
-    data.generate_dataset(target, prompts, data_dir, settings,
+    limit = d.get("limit")  # answer only the first `limit` prompts (whole shards); raise it later to extend
+    data.generate_dataset(target, prompts, data_dir, settings, limit=None if limit is None else int(limit),
                           progress=lambda n: print(f"[data] +{n} answers", flush=True))
     rows = data.read_dataset(data_dir)
     n_hold = max(1, int(len(rows) * float(d.get("holdout", 0.1))))
@@ -139,10 +141,18 @@ def main(argv=None) -> int:
         for name in ("wo", "w_gate", "w_up", "w_down"):
             getattr(head, name)[...] = getattr(top, name)[...]
         head.post_norm[...] = top.mlp_norm[...]
+        if kind == "eagle3":  # the draft lm_head starts as the target's rows for the draft vocabulary
+            keep = np.arange(cfg.draft_vocab_size) + np.asarray(head.d2t[...])
+            head.lm_head[...] = np.asarray(target.model.lm_head_weight())[:, keep]
+            head.norm[...] = target.model.final_norm[...]
     tcfg = {k: v for k, v in recipe["train"].items() if k != "out_dir"}
     if args.steps:
         tcfg["steps"] = args.steps
     ocfg = OptimConfig(**tcfg)
+    if ocfg.group_by_length:
+        from eagle_jax.train.features import group_by_length
+
+        train_rows = group_by_length(train_rows, ocfg.batch_size, ocfg.seed)
     trainer = Trainer(target, head, ocfg)
     ckpt = Checkpointer(out / "checkpoints", keep=ocfg.keep_checkpoints)
     if ckpt.restore_latest(trainer):
@@ -150,7 +160,7 @@ def main(argv=None) -> int:
     feat_dir = None
     if d.get("features", "online") == "offline":
         feat_dir = Path(d.get("features_dir", out / "features"))
-        write_offline(trainer.extractor, train_rows, ocfg.batch_size, ocfg.seq_len, feat_dir)
+        write_offline(trainer.extractor, train_rows, ocfg.batch_size, ocfg.seq_len, feat_dir, ocfg.seq_bucket)
         print(f"[features] offline features in {feat_dir}", flush=True)
     log = open(out / "metrics.jsonl", "a")
 

@@ -34,18 +34,25 @@ class Batch:
 
 
 def token_batches(rows: Sequence[tuple[np.ndarray, np.ndarray]], batch_size: int, seq_len: int,
-                  start: int = 0) -> Iterator[tuple[int, Batch]]:
+                  start: int = 0, seq_bucket: int = 0) -> Iterator[tuple[int, Batch]]:
     """Deterministic batches in row order from row index `start` (the data position for resuming).
 
     Yields (next_start, batch). The last partial batch is padded with empty rows (valid = False).
+    With seq_bucket > 0 a batch is only as long as its longest row rounded up to a multiple of
+    seq_bucket (at most seq_len): less padding, one compiled step per distinct length. Padding is
+    masked and attention is causal, so the trimmed batch computes the same losses.
     """
     for b0 in range(start, len(rows), batch_size):
-        tok = np.zeros((batch_size, seq_len), np.int32)
-        mask = np.zeros((batch_size, seq_len), np.uint8)
-        valid = np.zeros((batch_size, seq_len), bool)
-        for j, (t, m) in enumerate(rows[b0: b0 + batch_size]):
-            n = min(len(t), seq_len)
-            tok[j, :n], mask[j, :n], valid[j, :n] = t[:n], m[:n], True
+        t = seq_len
+        if seq_bucket > 0:
+            longest = max(len(r[0]) for r in rows[b0: b0 + batch_size])
+            t = min(seq_len, -(-longest // seq_bucket) * seq_bucket)
+        tok = np.zeros((batch_size, t), np.int32)
+        mask = np.zeros((batch_size, t), np.uint8)
+        valid = np.zeros((batch_size, t), bool)
+        for j, (ids, m) in enumerate(rows[b0: b0 + batch_size]):
+            n = min(len(ids), t)
+            tok[j, :n], mask[j, :n], valid[j, :n] = ids[:n], m[:n], True
         yield min(b0 + batch_size, len(rows)), Batch(tok, mask, valid)
 
 
@@ -72,12 +79,22 @@ class FeatureExtractor:
                                    aux=None if aux is None else np.asarray(aux))
 
 
-def write_offline(extractor: FeatureExtractor, rows, batch_size: int, seq_len: int, out_dir) -> int:
+def group_by_length(rows, batch_size: int, seed: int = 0) -> list:
+    """Reorders rows so that each batch holds rows of similar length (less padding with seq_bucket),
+    then shuffles the order of the batches (deterministic in seed). A permutation of rows."""
+    order = sorted(range(len(rows)), key=lambda i: (len(rows[i][0]), i))
+    batches = [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
+    np.random.default_rng(seed).shuffle(batches)
+    return [rows[i] for b in batches for i in b]
+
+
+def write_offline(extractor: FeatureExtractor, rows, batch_size: int, seq_len: int, out_dir,
+                  seq_bucket: int = 0) -> int:
     """Precomputes every batch's features to out_dir (resumable: finished batches are kept)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     n = 0
-    for i, (_, batch) in enumerate(token_batches(rows, batch_size, seq_len)):
+    for i, (_, batch) in enumerate(token_batches(rows, batch_size, seq_len, seq_bucket=seq_bucket)):
         path = out / f"batch-{i:06d}.npz"
         n += 1
         if path.exists():

@@ -38,6 +38,8 @@ class OptimConfig:
     grad_accum: int = 1
     batch_size: int = 8
     seq_len: int = 256
+    seq_bucket: int = 0  # > 0: batches trimmed to their longest row rounded up to this (see token_batches)
+    group_by_length: bool = False  # rows sorted into similar-length batches, batch order shuffled
     ttt_length: int = 7
     reg_weight: float = 1.0  # EAGLE-1 feature regression
     cls_weight: float = 0.1  # EAGLE-1 classification
@@ -155,7 +157,8 @@ class Trainer:
         """(next data position, batch) from data_pos on: online (tokens only) or offline features."""
         bs = self.cfg.batch_size
         if features_dir is None:
-            yield from token_batches(rows, bs, self.cfg.seq_len, start=self.data_pos)
+            yield from token_batches(rows, bs, self.cfg.seq_len, start=self.data_pos,
+                                     seq_bucket=self.cfg.seq_bucket)
             return
         from eagle_jax.train.features import read_offline
 
@@ -205,7 +208,7 @@ class Trainer:
     def evaluate(self, rows) -> list[float]:
         """Per-TTT-step top-1 acceptance accuracy on held-out rows (one entry for EAGLE-1)."""
         accs, weights = [], []
-        for _, batch in token_batches(rows, self.cfg.batch_size, self.cfg.seq_len):
+        for _, batch in token_batches(rows, self.cfg.batch_size, self.cfg.seq_len, seq_bucket=self.cfg.seq_bucket):
             dev = self.device_batch(batch)
             m = jax.device_get(self._eval_step(self.params, self.target_state, dev))
             accs.append(np.atleast_1d(np.asarray(m["acc"])))
