@@ -237,3 +237,63 @@ def spec_engine_for(target, head) -> SpecEngine:
     if eng is None or eng.target is not target or eng.head is not head:
         eng = _SPEC_ENGINES[key] = SpecEngine(target, head)
     return eng
+
+
+# --- batch-state helpers for continuous batching (eagle_jax.serve) ---------------------------------
+# A server keeps one SpecState of a static batch bucket; requests join by being prefilled as their own
+# small batch (same cache length) and scattered into free rows, and the bucket grows or shrinks by
+# gathering rows into a state of another batch size. A target served without a head uses the same
+# SpecState with an empty draft cache, so every helper below serves both.
+
+
+def headless_parts(batch: int):
+    """(draft_cache, root_hidden) placeholders of a SpecState for a target served without a head."""
+    return KVCache((), (), jnp.zeros((batch,), jnp.int32)), jnp.zeros((batch, 1), jnp.float32)
+
+
+def empty_state(target, head, batch: int, cache_len: int, draft_len: int) -> SpecState:
+    """A SpecState of `batch` rows that hold nothing (lengths 0)."""
+    if head is None:
+        dcache, root_hidden = headless_parts(batch)
+    else:
+        dcache = head.init_cache(batch, draft_len)
+        root_hidden = jnp.zeros((batch, head.cfg.hidden_size), head.dtype)
+    return SpecState(target.model.init_cache(batch, cache_len), dcache, jnp.zeros((batch,), jnp.int32), root_hidden)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("s",))
+def verify_step(graphdef, state, s: SpecState, params: SamplingParams, active):
+    """A plain decode step over a SpecState: feed each row's root, sample the next token, commit one slot.
+
+    The draft cache and root_hidden are left as they are, so the draft falls behind the target for the
+    rows stepped here: trees drafted for them later are poor (low acceptance) but still lossless, since
+    verification never trusts the draft. Same math and sampling positions as `engine.decode_step`.
+    Returns (new state, emitted [B, 1], count [B]) like `spec_step`.
+    """
+    TRACE_COUNTS["verify_step"] += 1
+    model = nnx.merge(graphdef, state)
+    length = s.cache.lengths
+    out = model(s.root[:, None], s.cache, logits_at=jnp.zeros_like(s.root))
+    token = sample(out.logits, params, length + 1)
+    count = active.astype(jnp.int32)
+    new = SpecState(out.cache.replace(lengths=length + count), s.draft_cache, jnp.where(active, token, s.root),
+                    s.root_hidden)
+    return new, token[:, None], count
+
+
+@functools.partial(jax.jit, donate_argnames=("s",))
+def insert_rows(s: SpecState, new: SpecState, rows):
+    """Writes the b rows of `new` into `s` at row indices rows [b]; indices >= s's batch are dropped
+    (padding rows of the newcomers' prefill batch). Both states have the same cache lengths."""
+    TRACE_COUNTS["insert_rows"] += 1
+    return jax.tree_util.tree_map(lambda a, x: a.at[rows].set(x.astype(a.dtype), mode="drop"), s, new)
+
+
+@jax.jit
+def take_rows(s: SpecState, rows) -> SpecState:
+    """A state of len(rows) rows: row i is s's row rows[i], or an empty row (length 0) where rows[i] < 0."""
+    TRACE_COUNTS["take_rows"] += 1
+    keep = rows >= 0
+    out = jax.tree_util.tree_map(lambda a: jnp.take(a, jnp.maximum(rows, 0), axis=0), s)
+    clear = lambda c: c.replace(lengths=jnp.where(keep, c.lengths, 0))
+    return SpecState(clear(out.cache), clear(out.draft_cache), out.root, out.root_hidden)

@@ -1,0 +1,376 @@
+"""The load-aware speculation harness: per step, the tree shape (or none) with the most tokens per second.
+
+Two ingredients:
+
+* a **cost profile**, measured once per device + model + head: the seconds of one whole jitted step
+  (draft + verify + accept + commit) for every candidate and every batch bucket, at the server's
+  cache length. Measuring whole steps is the most faithful way to capture what a candidate costs on
+  this hardware (draft steps, verify of N tree tokens, acceptance, KV moves). Profiles are cached as
+  JSON under ~/.cache/eagle_jax/harness/ (or `cache_dir`), keyed by a hash of everything that changes
+  the numbers; `reprofile=True` measures again.
+* **running acceptance statistics** (`AcceptanceStats`): tokens each row emitted per step under each
+  candidate (an exponentially decayed mean), and per-depth conditional acceptance rates pooled over
+  every candidate that ran (a decayed, censoring-aware estimate: a row that accepted its whole tree
+  says nothing about deeper levels). A candidate's expected tokens per row blend its own mean with the
+  per-depth model 1 + sum_j prod_{i<=j} alpha_i, so candidates that did not run recently are still
+  estimated, and an optimism bonus that shrinks with evidence makes the harness try them again now
+  and then (exploration).
+
+Each step `Harness.choose` returns the candidate maximising expected tokens per second for the batch:
+(tokens of the active rows) / step_seconds(bucket, candidate). "off" is always a candidate: a plain
+decode step (`speculative.verify_step`), so speculation never makes a step slower than plain decoding
+by more than the estimation error, and a spec candidate must beat it by `margin`.
+
+Rows stepped with "off" leave the draft behind (it is not refreshed); such rows are "stale": they are
+still verified losslessly under any tree but their drafts are garbage, so the harness counts one token
+for them and learns only from rows whose draft is in sync (`synced`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import os
+import re
+import time
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eagle_jax.tree import TreeConfig
+
+log = logging.getLogger("eagle_jax.harness")
+
+OFF = "off"
+
+
+def _default_candidates() -> tuple[str, ...]:
+    # A chain, a small, the default (TreeConfig(): what `generate` and fixed-tree serving use, so auto can
+    # always match it) and a large tree.
+    d = TreeConfig()
+    out = ["off", "3,1,4", "4,4,8", f"{d.depth},{d.topk},{d.tree_tokens}", "6,4,24"]
+    return tuple(dict.fromkeys(out))
+
+
+DEFAULT_CANDIDATES = _default_candidates()
+
+
+def candidate_name(tree: TreeConfig | None) -> str:
+    return OFF if tree is None else f"d{tree.depth}k{tree.topk}n{tree.tree_tokens}"
+
+
+def parse_candidate(text) -> TreeConfig | None:
+    """'off' (no speculation), 'D,K,N' or 'dDkKnN' -> a TreeConfig (None for off)."""
+    if isinstance(text, TreeConfig) or text is None:
+        return text
+    s = str(text).strip().lower()
+    if s in (OFF, "none", "plain"):
+        return None
+    m = re.fullmatch(r"(\d+),(\d+),(\d+)", s) or re.fullmatch(r"d(\d+)k(\d+)n(\d+)", s)
+    if not m:
+        raise ValueError(f"speculation candidate must be 'off', 'D,K,N' or 'dDkKnN' (e.g. 4,4,16), got {text!r}")
+    tree = TreeConfig(*(int(x) for x in m.groups()))
+    return None if tree.tree_tokens == 1 else tree
+
+
+def tree_slack(trees: Iterable[TreeConfig | None]) -> int:
+    """Cache room past the last committed token a step may write: N tree tokens (+ depth for safety)."""
+    return max([t.tree_tokens + t.depth for t in trees if t is not None] + [1])
+
+
+def draft_extra(trees: Iterable[TreeConfig | None]) -> int:
+    """Extra draft-cache slots past the target's cache length (tree expansion scratch)."""
+    return max([(t.depth - 1) * t.topk + t.depth + 1 for t in trees if t is not None] + [0])
+
+
+# --- cost profiles ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Profile:
+    key: str
+    seconds: dict[int, dict[str, float]]  # batch bucket -> candidate name -> seconds of one step
+    meta: dict
+    source: str = "given"  # "measured" | "cache" | "given"
+
+    def cost(self, bucket: int, name: str) -> float:
+        """Step seconds at `bucket` (the nearest profiled bucket at or above it, else the largest)."""
+        buckets = sorted(self.seconds)
+        b = next((x for x in buckets if x >= bucket), buckets[-1])
+        row = self.seconds[b]
+        if name not in row:
+            raise KeyError(f"cost profile has no candidate {name!r} (has {', '.join(row)})")
+        return row[name]
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "meta": self.meta,
+                "seconds": {str(b): row for b, row in sorted(self.seconds.items())}}
+
+    @classmethod
+    def from_json(cls, data: dict, source: str = "cache") -> "Profile":
+        return cls(key=data["key"], meta=data.get("meta", {}),
+                   seconds={int(b): {k: float(v) for k, v in row.items()} for b, row in data["seconds"].items()},
+                   source=source)
+
+
+def device_kind() -> str:
+    d = jax.devices()[0]
+    return f"{d.platform}:{getattr(d, 'device_kind', 'unknown')}:{jax.device_count()}"
+
+
+def profile_key(target, head, buckets: Sequence[int], candidates: Sequence[str], cache_len: int) -> str:
+    """A readable, file-safe key: model name + a hash of device, model and head configs, buckets,
+    candidates and cache length (head weights do not change step costs; its architecture does)."""
+    ident = {
+        "device": device_kind(), "jax": jax.__version__,
+        "model": target.name, "model_cfg": repr(target.cfg), "model_dtype": str(target.model.dtype),
+        "head_cfg": None if head is None else repr(head.cfg), "head_dtype": None if head is None else str(head.dtype),
+        "buckets": list(buckets), "candidates": list(candidates), "cache_len": int(cache_len),
+    }
+    digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", target.name)[:40]
+    return f"{slug}-{digest}"
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("EAGLE_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "eagle_jax")
+    return Path(root) / "harness"
+
+
+def measure_profile(target, head, buckets: Sequence[int], candidates: Sequence[TreeConfig | None], cache_len: int,
+                    draft_len: int, reps: int = 5, context: int | None = None) -> dict[int, dict[str, float]]:
+    """Median seconds of one step per (bucket, candidate), rows filled to `context` tokens (greedy)."""
+    from flax import nnx
+
+    from eagle_jax import speculative
+    from eagle_jax.sampling import SamplingParams
+
+    g, st = nnx.split(target.model)
+    hg, hs = nnx.split(head) if head is not None else (None, None)
+    ctx = int(context if context is not None else max(1, cache_len // 4))
+    out: dict[int, dict[str, float]] = {}
+    for b in buckets:
+        params = SamplingParams.make(b)
+        active = jnp.ones((b,), bool)
+        state = speculative.empty_state(target, head, b, cache_len, draft_len)
+        row = {}
+        for tree in candidates:
+            if tree is not None and head is None:
+                raise ValueError("speculation candidates need a draft head")
+
+            def step(s):
+                # Back to `ctx` committed tokens each time (separate arrays: both caches are donated).
+                s = speculative.SpecState(s.cache.replace(lengths=jnp.full((b,), ctx, jnp.int32)),
+                                          s.draft_cache.replace(lengths=jnp.full((b,), ctx, jnp.int32)),
+                                          s.root, s.root_hidden)
+                if tree is None:
+                    s, _, count = speculative.verify_step(g, st, s, params, active)
+                else:
+                    s, _, count = speculative.spec_step(g, st, hg, hs, s, params, active, tree)
+                count.block_until_ready()
+                return s
+
+            state = step(step(state))  # compile, warm
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                state = step(state)
+                times.append(time.perf_counter() - t0)
+            row[candidate_name(tree)] = float(np.median(times))
+            log.info("harness profile: batch %d %-10s %.2f ms", b, candidate_name(tree), row[candidate_name(tree)] * 1e3)
+        out[int(b)] = row
+    return out
+
+
+def load_or_measure(target, head, buckets: Sequence[int], candidates: Sequence[TreeConfig | None], cache_len: int,
+                    draft_len: int, *, cache_dir=None, reprofile: bool = False, reps: int = 5) -> Profile:
+    """The cached profile for this device + model + head + settings, measuring (and caching) it if needed."""
+    names = [candidate_name(t) for t in candidates]
+    key = profile_key(target, head, buckets, names, cache_len)
+    path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    file = path / f"{key}.json"
+    if file.exists() and not reprofile:
+        try:
+            prof = Profile.from_json(json.loads(file.read_text()), source="cache")
+            if prof.key == key and all(set(names) <= set(prof.seconds.get(int(b), {})) for b in buckets):
+                log.info("harness: reusing cost profile %s", file)
+                return prof
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("harness: ignoring unreadable cost profile %s (%s)", file, e)
+    t0 = time.perf_counter()
+    seconds = measure_profile(target, head, buckets, candidates, cache_len, draft_len, reps=reps)
+    meta = {"device": device_kind(), "model": target.name, "cache_len": cache_len, "buckets": list(buckets),
+            "candidates": names, "measured_s": round(time.perf_counter() - t0, 2),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    prof = Profile(key=key, seconds=seconds, meta=meta, source="measured")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(prof.to_json(), indent=2))
+        tmp.replace(file)
+        log.info("harness: wrote cost profile %s", file)
+    except OSError as e:
+        log.warning("harness: cannot cache the cost profile in %s (%s)", path, e)
+    return prof
+
+
+# --- acceptance statistics and the choice --------------------------------------------------------------
+
+@dataclasses.dataclass
+class Choice:
+    name: str
+    tree: TreeConfig | None
+    expected_tokens: float  # tokens the whole batch is expected to emit this step
+    seconds: float  # profiled step cost (0 when there is no profile)
+    explore: bool = False
+
+
+class AcceptanceStats:
+    """Decayed running statistics of how many tokens rows emit per step (see the module docstring)."""
+
+    def __init__(self, max_depth: int, decay: float = 0.998, prior_accept: float = 0.5, prior_strength: float = 2.0,
+                 blend: float = 4.0):
+        self.decay, self.prior_accept, self.prior_strength, self.blend = decay, prior_accept, prior_strength, blend
+        self.reached = np.zeros(max_depth + 1)  # [j]: row-steps whose tree could accept depth j
+        self.passed = np.zeros(max_depth + 1)  # [j]: ... that accepted depth j
+        self.sum: dict[str, float] = {}
+        self.n: dict[str, float] = {}
+        self.tau_ema: float | None = None  # tokens per synced row per speculative step
+
+    def observe(self, tree: TreeConfig | None, counts: Sequence[int]) -> None:
+        """One step: counts = tokens emitted by each row whose draft was in sync (incl. the bonus)."""
+        self.reached *= self.decay
+        self.passed *= self.decay
+        for k in self.n:
+            self.n[k] *= self.decay
+            self.sum[k] *= self.decay
+        if tree is None or len(counts) == 0:
+            return
+        name = candidate_name(tree)
+        c = np.asarray(counts, np.float64)
+        self.sum[name] = self.sum.get(name, 0.0) + float(c.sum())
+        self.n[name] = self.n.get(name, 0.0) + len(c)
+        accepted = c - 1
+        for j in range(1, min(tree.depth, len(self.reached) - 1) + 1):
+            self.reached[j] += float(np.sum(accepted >= j - 1))
+            self.passed[j] += float(np.sum(accepted >= j))
+        mean = float(c.mean())
+        self.tau_ema = mean if self.tau_ema is None else 0.9 * self.tau_ema + 0.1 * mean
+
+    def alpha(self) -> np.ndarray:
+        """Per-depth conditional acceptance rates [max_depth + 1] (index 0 unused)."""
+        return (self.passed + self.prior_accept * self.prior_strength) / (self.reached + self.prior_strength)
+
+    def model_tokens(self, tree: TreeConfig) -> float:
+        a = self.alpha()
+        return 1.0 + float(np.sum(np.cumprod(a[1: tree.depth + 1])))
+
+    def expected_tokens(self, tree: TreeConfig | None) -> float:
+        """Expected tokens one in-sync row emits per step under `tree` (1 for off)."""
+        if tree is None:
+            return 1.0
+        name = candidate_name(tree)
+        n = self.n.get(name, 0.0)
+        return (self.sum.get(name, 0.0) + self.blend * self.model_tokens(tree)) / (n + self.blend)
+
+    def evidence(self, tree: TreeConfig) -> float:
+        return self.n.get(candidate_name(tree), 0.0) + float(self.reached[1])
+
+
+class FixedPolicy:
+    """Always the same candidate ('fixed:D,K,N' or 'off'); keeps acceptance statistics for the metrics."""
+
+    def __init__(self, tree: TreeConfig | None):
+        self.tree = tree
+        self.stats = AcceptanceStats(tree.depth if tree is not None else 1)
+        self.name = candidate_name(tree)
+
+    def choose(self, bucket: int, active: int, synced: int) -> Choice:
+        exp = active if self.tree is None else synced * self.stats.expected_tokens(self.tree) + (active - synced)
+        return Choice(self.name, self.tree, float(exp), 0.0)
+
+    def observe(self, tree, counts) -> None:
+        self.stats.observe(tree, counts)
+
+    def snapshot(self) -> dict:
+        return {"mode": "fixed", "candidates": [self.name], "tau_ema": self.stats.tau_ema,
+                "expected_tokens_per_row": {self.name: self.stats.expected_tokens(self.tree)}}
+
+
+class Harness:
+    """Chooses the candidate with the most expected tokens per second for the current batch."""
+
+    def __init__(self, candidates: Sequence[TreeConfig | None], profile: Profile, *, margin: float = 0.03,
+                 ucb: float = 0.5, stats: AcceptanceStats | None = None):
+        trees = [t for t in candidates if t is not None]
+        self.candidates: list[TreeConfig | None] = [None] + trees  # off is always a candidate
+        self.profile = profile
+        self.margin, self.ucb = margin, ucb
+        self.stats = stats or AcceptanceStats(max([t.depth for t in trees] + [1]))
+        self.last: dict[int, str] = {}  # bucket -> name of the last choice (for logging changes)
+        self.logged_at: dict[int, float] = {}
+        self.counts: dict[str, int] = {}  # choices made, by candidate
+        self.last_choice: Choice | None = None
+
+    def _tokens(self, tree, active: int, synced: int, bonus: bool) -> float:
+        if tree is None:
+            return float(active)
+        per_row = self.stats.expected_tokens(tree)
+        if bonus:
+            per_row = min(tree.depth + 1.0,
+                          per_row + self.ucb * tree.depth / math.sqrt(1.0 + self.stats.evidence(tree)))
+        return synced * per_row + (active - synced)
+
+    def choose(self, bucket: int, active: int, synced: int) -> Choice:
+        best, best_rate = None, -1.0
+        off_rate = active / self.profile.cost(bucket, OFF)
+        rates = {}
+        for tree in self.candidates:
+            cost = self.profile.cost(bucket, candidate_name(tree))
+            rate = self._tokens(tree, active, synced, bonus=False) / cost
+            rates[candidate_name(tree)] = rate
+            if tree is not None and rate < off_rate * (1.0 + self.margin):
+                continue  # speculation must clearly beat a plain step
+            if rate > best_rate:
+                best, best_rate = tree, rate
+        explore = False
+        if synced > 0:  # optimism about rarely tried trees; only rows in sync can teach us anything
+            for tree in self.candidates[1:]:
+                cost = self.profile.cost(bucket, candidate_name(tree))
+                rate = self._tokens(tree, active, synced, bonus=True) / cost
+                if rate > best_rate * (1.0 + self.margin) and tree is not best:
+                    best, best_rate, explore = tree, rate, True
+        name = candidate_name(best)
+        choice = Choice(name, best, self._tokens(best, active, synced, bonus=False),
+                        self.profile.cost(bucket, name), explore)
+        self.counts[name] = self.counts.get(name, 0) + 1
+        if self.last.get(bucket) != name:
+            # Changes are logged at INFO at most every few seconds per bucket (choices can flip every step).
+            now = time.monotonic()
+            level = logging.INFO if not explore and now - self.logged_at.get(bucket, -1e9) >= 5.0 else logging.DEBUG
+            if level == logging.INFO:
+                self.logged_at[bucket] = now
+            log.log(level, "harness: batch bucket %d, %d rows (%d in sync): %s%s, expected %.2f tokens/step in "
+                    "%.2f ms (off: %.2f ms)", bucket, active, synced, name, " (exploring)" if explore else "",
+                    choice.expected_tokens, choice.seconds * 1e3, self.profile.cost(bucket, OFF) * 1e3)
+            self.last[bucket] = name
+        self.last_choice = choice
+        return choice
+
+    def observe(self, tree, counts) -> None:
+        self.stats.observe(tree, counts)
+
+    def snapshot(self) -> dict:
+        last = self.last_choice
+        return {"mode": "auto", "candidates": [candidate_name(t) for t in self.candidates],
+                "tau_ema": self.stats.tau_ema,
+                "expected_tokens_per_row": {candidate_name(t): self.stats.expected_tokens(t) for t in self.candidates},
+                "alpha": self.stats.alpha()[1:].tolist(), "choices": dict(self.counts),
+                "last_choice": None if last is None else dataclasses.asdict(last) | {"tree": last.name},
+                "profile": {"source": self.profile.source, "key": self.profile.key,
+                            "step_seconds": {str(b): row for b, row in sorted(self.profile.seconds.items())}}}

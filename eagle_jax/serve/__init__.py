@@ -1,0 +1,19 @@
+"""OpenAI-compatible serving with continuous batching and the load-aware speculation harness.
+
+    python -m eagle_jax.serve [--preset serve/smollm2-135m-instruct.toml] [--speculation auto|off|fixed:D,K,N]
+
+Modules: `scheduler` (the engine loop), `api` (FastAPI app, `create_app`), `config` (settings and presets),
+`text` (incremental detokenisation and stop strings), `metrics` (Prometheus text); the harness itself is
+`eagle_jax.harness`. See serve/README.md.
+"""
+
+from eagle_jax.serve.config import ConfigError, ServeConfig, load_preset
+
+
+def create_app(target, head=None, config=None, **kwargs):
+    from eagle_jax.serve.api import create_app as _create_app
+
+    return _create_app(target, head, config, **kwargs)
+
+
+__all__ = ["ConfigError", "ServeConfig", "create_app", "load_preset"]

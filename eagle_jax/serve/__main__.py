@@ -1,0 +1,149 @@
+"""`python -m eagle_jax.serve`: an OpenAI-compatible server with continuous batching and the
+load-aware speculation harness.
+
+    python -m eagle_jax.serve --preset serve/smollm2-135m-instruct.toml
+    python -m eagle_jax.serve --draft random --speculation fixed:4,4,16 --port 8001 --api-key secret
+
+Settings come from ServeConfig's defaults, then the preset (if any), then the flags given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+
+from eagle_jax.serve.config import DEFAULT_MAX_MODEL_LEN, ConfigError, ServeConfig, load_preset
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = ServeConfig()
+    p = argparse.ArgumentParser(prog="python -m eagle_jax.serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--preset", help="TOML file of settings (keys = the long flags with '_' for '-'); flags override it")
+    a("--model", help=f"built-in name, Hugging Face directory or .gguf file (default: {d.model})")
+    a("--draft", help="draft head: auto (the shipped head if there is one, else none), default, random "
+                      f"(untrained, for tests), none, or a head directory (default: {d.draft})")
+    a("--host", help=f"address to listen on (default: {d.host}, loopback only)")
+    a("--port", type=int, help=f"port (default: {d.port}; 0 picks a free one)")
+    a("--api-key", help="require 'Authorization: Bearer KEY' on /v1 requests")
+    a("--served-model-name", help="the model id clients send and /v1/models lists (default: the model's name)")
+    a("--max-batch", type=int, help=f"most requests decoded together (default: {d.max_batch})")
+    a("--max-model-len", type=int, help="most tokens per request, prompt + completion (default: the model's context, "
+                                         f"at most {DEFAULT_MAX_MODEL_LEN})")
+    a("--speculation", help=f"auto (the harness picks a tree or none each step), off, or fixed:D,K,N "
+                            f"(default: {d.speculation})")
+    a("--candidates", nargs="+", help=f"trees the harness chooses from, as D,K,N or 'off' "
+                                      f"(default: {' '.join(d.candidates)})")
+    a("--max-queue", type=int, help=f"waiting requests beyond max_batch before 503 (default: {d.max_queue})")
+    a("--batch-buckets", type=int, nargs="+", help="static batch sizes (default: powers of two up to --max-batch)")
+    a("--prefill-batches", type=int, nargs="+", help="batch buckets of one prefill; the largest caps newcomers per "
+                                                     f"prefill (default: {' '.join(map(str, d.prefill_batches))})")
+    a("--prefill-tokens", type=int, help=f"padded prompt tokens per prefill (default: {d.prefill_tokens})")
+    a("--profile-dir", help="where harness cost profiles are cached (default: ~/.cache/eagle_jax/harness)")
+    a("--reprofile", action="store_true", default=None, help="measure the harness cost profile again")
+    a("--profile-reps", type=int, help=f"timed repetitions per profiled step (default: {d.profile_reps})")
+    a("--no-warmup", dest="warmup", action="store_false", default=None,
+      help="compile steps on first use instead of at start-up")
+    a("--warmup-prompt-len", type=int, help="warm-up compiles prefills for prompts up to this many tokens "
+                                            f"(default: {d.warmup_prompt_len})")
+    a("--compile-cache", help="persistent XLA compilation cache directory; '' disables it "
+                              "(default: ~/.cache/eagle_jax/xla)")
+    a("--log-level", choices=["debug", "info", "warning", "error"], help=f"(default: {d.log_level})")
+    a("--json", action="store_true", help="print one JSON line with the address and settings once serving")
+    return p
+
+
+def build_config(args) -> ServeConfig:
+    values = {}
+    if args.preset:
+        values.update(load_preset(args.preset))
+    for f in dataclasses.fields(ServeConfig):
+        v = getattr(args, f.name, None)
+        if v is not None:
+            values[f.name] = tuple(v) if isinstance(v, list) else v
+    return ServeConfig(**values)
+
+
+def _socket(host: str, port: int) -> socket.socket:
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = build_config(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("eagle_jax.serve")
+
+    import jax
+
+    cache_dir = config.compile_cache
+    if cache_dir is None:
+        cache_dir = os.path.join(os.path.expanduser("~"), ".cache", "eagle_jax", "xla")
+    if cache_dir:
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+    import uvicorn
+
+    import eagle_jax
+    from eagle_jax.loader import resolve_draft
+    from eagle_jax.serve.api import create_app
+
+    try:
+        sock = _socket(config.host, config.port)
+    except OSError as e:
+        print(f"error: cannot listen on {config.host}:{config.port}: {e}", file=sys.stderr)
+        return 2
+    try:
+        t0 = time.perf_counter()
+        target = eagle_jax.load_target(config.model)
+        mode, _ = config.speculation_mode()
+        head = None if mode == "off" else resolve_draft(config.draft, target)
+        log.info("loaded %s%s in %.1f s", target.name, "" if head is None else f" + {head.cfg.kind} head",
+                 time.perf_counter() - t0)
+        app = create_app(target, head, config)
+    except (ValueError, FileNotFoundError) as e:  # LoadError, DraftLoadError, ConfigError are ValueErrors
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    host, port = sock.getsockname()[:2]
+    server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level, access_log=config.log_level == "debug",
+                                           timeout_graceful_shutdown=5))
+
+    def announce():
+        while not server.started and not server.should_exit:
+            time.sleep(0.05)
+        if server.started:
+            api = app.state.api
+            info = {"event": "ready", "url": f"http://{host}:{port}", "model": api.model_name,
+                    "speculation": config.speculation if api.scheduler.head is not None else "off",
+                    "max_batch": config.max_batch, "max_model_len": api.max_model_len,
+                    "auth": config.api_key is not None}
+            if args.json:
+                print(json.dumps(info), flush=True)
+            else:
+                log.info("serving %s on %s (speculation %s)", info["model"], info["url"], info["speculation"])
+
+    threading.Thread(target=announce, daemon=True).start()
+    server.run(sockets=[sock])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Server settings: one frozen dataclass, filled from a preset TOML and the command line (the CLI wins).
+
+A preset's keys are the field names below (the CLI flags with '_' for '-'); an unknown key or a value
+of the wrong type is an error that names the file and the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from eagle_jax.harness import DEFAULT_CANDIDATES, parse_candidate
+
+
+class ConfigError(ValueError):
+    pass
+
+
+# On CPU the reference attention reads the whole preallocated cache every step, so the default stays modest.
+DEFAULT_MAX_MODEL_LEN = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeConfig:
+    model: str = "smollm2-135m-instruct"
+    draft: str = "auto"  # auto | default | random | none | head directory (eagle_jax.loader.resolve_draft)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None  # default: the target's name
+    max_batch: int = 32
+    max_model_len: int | None = None  # default: the model's context, at most DEFAULT_MAX_MODEL_LEN
+    speculation: str = "auto"  # auto | off | fixed:D,K,N
+    candidates: tuple[str, ...] = DEFAULT_CANDIDATES  # trees the harness chooses from ('off' is always one)
+    max_queue: int = 256
+    batch_buckets: tuple[int, ...] = ()  # default: powers of two up to max_batch
+    prefill_batches: tuple[int, ...] = (1, 4)
+    prefill_tokens: int = 2048
+    profile_dir: str | None = None  # default ~/.cache/eagle_jax/harness
+    reprofile: bool = False
+    profile_reps: int = 5
+    warmup: bool = True
+    warmup_prompt_len: int = 128  # warm-up compiles prefills for prompts up to this many tokens
+    compile_cache: str | None = None  # persistent XLA compilation cache directory ("" = off)
+    log_level: str = "info"
+
+    def __post_init__(self):
+        for name in ("max_batch", "max_model_len", "prefill_tokens", "profile_reps"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queue < 0:
+            raise ConfigError(f"max_queue must be >= 0, got {self.max_queue}")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be in [0, 65535], got {self.port}")
+        if any(b < 1 for b in self.batch_buckets) or any(b < 1 for b in self.prefill_batches) or not self.prefill_batches:
+            raise ConfigError("batch_buckets and prefill_batches must be positive integers")
+        self.speculation_mode()  # validates
+        for c in self.candidates:
+            try:
+                parse_candidate(c)
+            except ValueError as e:
+                raise ConfigError(f"candidates: {e}") from None
+
+    def speculation_mode(self):
+        """('auto', None) | ('off', None) | ('fixed', TreeConfig)."""
+        s = str(self.speculation).strip().lower()
+        if s in ("auto", "off"):
+            return s, None
+        if s.startswith("fixed:"):
+            try:
+                tree = parse_candidate(s[len("fixed:"):])
+            except ValueError as e:
+                raise ConfigError(f"speculation: {e}") from None
+            return ("fixed", tree) if tree is not None else ("off", None)
+        raise ConfigError(f"speculation must be 'auto', 'off' or 'fixed:D,K,N' (e.g. fixed:4,4,16), got {self.speculation!r}")
+
+    def model_len(self, context: int) -> int:
+        """max_model_len for a model with `context` positions (an explicit value above it is an error)."""
+        if self.max_model_len is None:
+            return min(DEFAULT_MAX_MODEL_LEN, context)
+        if self.max_model_len > context:
+            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's context length {context}")
+        return self.max_model_len
+
+    def candidate_trees(self):
+        return [parse_candidate(c) for c in self.candidates]
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(ServeConfig)}
+_TUPLES = {"candidates": str, "batch_buckets": int, "prefill_batches": int}
+
+
+def _check_type(source: str, key: str, value: Any):
+    f = FIELDS[key]
+    if key in _TUPLES:
+        if not isinstance(value, list) or not all(isinstance(v, _TUPLES[key]) and not isinstance(v, bool)
+                                                  for v in value):
+            raise ConfigError(f"{source}: {key} must be a list of {_TUPLES[key].__name__}, got {value!r}")
+        return tuple(value)
+    kind = str(f.type)
+    want = bool if kind.startswith("bool") else int if kind.startswith("int") else str
+    if want is bool:
+        ok = isinstance(value, bool)
+    elif want is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        raise ConfigError(f"{source}: {key} must be of type {want.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def load_preset(path) -> dict:
+    """Reads a preset TOML into a dict of ServeConfig fields (validated keys and types)."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: preset file not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: invalid TOML: {e}") from None
+    out = {}
+    for key, value in data.items():
+        norm = key.replace("-", "_")
+        if norm not in FIELDS:
+            raise ConfigError(f"{path}: unknown key {key!r} (known keys: {', '.join(sorted(FIELDS))})")
+        out[norm] = _check_type(str(path), norm, value)
+    return out

@@ -1,0 +1,77 @@
+"""Prometheus text-format metrics, without a client library: a few labelled counters plus gauges that
+are read from the scheduler and the harness at scrape time."""
+
+from __future__ import annotations
+
+import threading
+
+# name -> (type, help). Counters only change by `Metrics.inc`; gauges come from `render(gauges=...)`.
+DESCRIPTIONS = {
+    "eagle_requests_total": ("counter", "Requests by outcome: completed, cancelled (client went away), error, "
+                                        "invalid (4xx), rejected (queue full)."),
+    "eagle_prompt_tokens_total": ("counter", "Prompt tokens prefilled."),
+    "eagle_generation_tokens_total": ("counter", "Tokens generated and delivered to requests."),
+    "eagle_prefills_total": ("counter", "Prefill batches run (newcomers joining the running batch)."),
+    "eagle_prefill_seconds_total": ("counter", "Seconds spent in prefill batches."),
+    "eagle_steps_total": ("counter", "Decoding steps by the tree shape chosen ('off' = no speculation)."),
+    "eagle_step_rows_total": ("counter", "Active rows summed over steps, by tree shape."),
+    "eagle_step_tokens_total": ("counter", "Tokens emitted by steps, by tree shape (tokens / rows = tau)."),
+    "eagle_step_seconds_total": ("counter", "Seconds spent in decoding steps, by tree shape."),
+    "eagle_harness_explore_total": ("counter", "Steps the harness ran a tree to re-estimate it (exploration)."),
+    "eagle_requests_running": ("gauge", "Requests holding a batch slot."),
+    "eagle_requests_waiting": ("gauge", "Requests queued for a slot (queue depth)."),
+    "eagle_batch_size": ("gauge", "Active rows in the last decoding step."),
+    "eagle_batch_bucket": ("gauge", "Static batch size (bucket) of the running state."),
+    "eagle_slots_free": ("gauge", "Free batch slots (max_batch minus running requests)."),
+    "eagle_tau": ("gauge", "Recent tokens per row per speculative step (EMA, rows whose draft is in sync)."),
+    "eagle_harness_choice": ("gauge", "1 for the tree shape chosen for the last step."),
+    "eagle_harness_expected_tokens": ("gauge", "Harness estimate of tokens per in-sync row per step, by shape."),
+}
+
+
+def _labels(labels: dict) -> str:
+    if not labels:
+        return ""
+    esc = lambda v: str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in sorted(labels.items())) + "}"
+
+
+class Metrics:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._counters: dict[tuple[str, tuple], float] = {}
+
+    def inc(self, name: str, value: float = 1.0, **labels) -> None:
+        key = (name, tuple(sorted(labels.items())))
+        with self._lock:
+            self._counters[key] = self._counters.get(key, 0.0) + value
+
+    def get(self, name: str, **labels) -> float:
+        with self._lock:
+            return self._counters.get((name, tuple(sorted(labels.items()))), 0.0)
+
+    def render(self, gauges: list[tuple[str, dict, float]] = ()) -> str:
+        with self._lock:
+            samples = [(name, dict(lbl), v) for (name, lbl), v in self._counters.items()]
+        samples += list(gauges)
+        by_name: dict[str, list] = {}
+        for name, lbl, v in samples:
+            by_name.setdefault(name, []).append((lbl, v))
+        lines = []
+        for name in sorted(by_name):
+            kind, text = DESCRIPTIONS.get(name, ("gauge", name))
+            lines.append(f"# HELP {name} {text}")
+            lines.append(f"# TYPE {name} {kind}")
+            for lbl, v in sorted(by_name[name], key=lambda x: sorted(x[0].items())):
+                lines.append(f"{name}{_labels(lbl)} {float(v):.10g}")
+        return "\n".join(lines) + "\n"
+
+
+def parse(text: str) -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value} (for tests and the load-test client)."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out

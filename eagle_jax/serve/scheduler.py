@@ -1,0 +1,501 @@
+"""The engine loop: continuous batching over static batch buckets, on one thread that owns the JAX state.
+
+The running batch is one `SpecState` (a target served without a head carries an empty draft cache) of a
+batch bucket B (a power of two <= max_batch) and a fixed cache length (max_model_len + tree slack).
+Each loop iteration:
+
+1. drops cancelled requests (client went away, or a stop string was found): their slot is free at once;
+2. admits waiting requests into free slots, one prefill batch at a time (at most `prefill_batches[-1]`
+   requests and `prefill_tokens` padded prompt tokens), so running rows wait for at most one prefill
+   between two of their steps. Newcomers are prefilled as their own batch (prompt-length bucket, same
+   cache length) and scattered into free rows (`speculative.insert_rows`); when the bucket is too
+   small the state is first gathered into a larger one (`speculative.take_rows`);
+3. runs one step for all rows with the candidate the policy picks (the harness, a fixed tree, or plain
+   decoding); rows without a request pass active=False and commit nothing;
+4. hands each request its new tokens; rows that hit EOS or max_tokens leave, and the batch shrinks to
+   a smaller bucket once that has sufficed for `shrink_patience` steps.
+
+Requests talk to the loop through thread-safe calls (`submit`, `cancel`); tokens go back through each
+request's `sink`, called on this thread (the server turns it into an asyncio queue put). Sampling
+parameters are per row, and a row's random key depends only on its seed and position, so a request's
+output does not depend on its batch neighbours.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import math
+import threading
+import time
+from typing import Callable, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle_jax import engine, speculative
+from eagle_jax.harness import candidate_name, draft_extra, tree_slack
+from eagle_jax.sampling import SamplingParams
+
+log = logging.getLogger("eagle_jax.serve")
+
+
+class QueueFull(Exception):
+    """The server holds max_batch running + max_queue waiting requests already."""
+
+
+class ShuttingDown(Exception):
+    pass
+
+
+@dataclasses.dataclass
+class Event:
+    kind: str  # "tokens" | "done" | "error"
+    tokens: tuple[int, ...] = ()
+    reason: str | None = None  # done: "stop" (EOS) | "length" | "cancelled"
+    message: str | None = None
+
+
+_ids = itertools.count()
+
+
+class Request:
+    """One generation request as the scheduler sees it (token ids in, token ids out)."""
+
+    def __init__(self, prompt_ids: Sequence[int], max_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int = 0, ignore_eos: bool = False, sink: Callable[[Event], None] | None = None):
+        self.id = next(_ids)
+        self.prompt_ids = [int(t) for t in prompt_ids]
+        self.max_tokens = int(max_tokens)
+        self.temperature, self.top_p, self.top_k = float(temperature), float(top_p), int(top_k)
+        self.seed = int(seed) % (2**32)
+        # Checked here, on the caller's thread: a bad request must fail alone, not inside a shared prefill.
+        if not self.prompt_ids or self.max_tokens < 1:
+            raise ValueError("a request needs a non-empty prompt and max_tokens >= 1")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0 and 0 < self.top_p <= 1
+                and 0 <= self.top_k < 2**31):
+            raise ValueError(f"invalid sampling parameters: temperature {temperature}, top_p {top_p}, top_k {top_k}")
+        self.ignore_eos = ignore_eos
+        self.sink = sink
+        self.generated = 0
+        self.finish_reason: str | None = None
+        self.slot: int | None = None
+
+    def _emit(self, event: Event) -> None:
+        if self.sink is None:
+            return
+        try:
+            self.sink(event)
+        except Exception:  # a closed event loop must not take the engine down
+            log.debug("request %d: sink failed", self.id, exc_info=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch: int = 32
+    max_model_len: int = 1024  # prompt + generated tokens per request
+    batch_buckets: tuple[int, ...] = ()  # default: powers of two up to max_batch, and max_batch
+    prefill_batches: tuple[int, ...] = (1, 4)  # batch buckets of a prefill (the largest caps one prefill)
+    prefill_tokens: int = 2048  # padded prompt tokens per prefill (a longer single prompt still goes alone)
+    max_queue: int = 256  # waiting requests beyond the running ones before QueueFull
+    shrink_patience: int = 8
+
+    def buckets(self) -> tuple[int, ...]:
+        if self.batch_buckets:
+            b = sorted({int(x) for x in self.batch_buckets if 0 < int(x) <= self.max_batch} | {self.max_batch})
+            return tuple(b)
+        out, b = [], 1
+        while b < self.max_batch:
+            out.append(b)
+            b *= 2
+        return tuple(out + [self.max_batch])
+
+
+def cache_length(max_model_len: int, trees) -> int:
+    """Target cache length: max_model_len plus the tree slack, rounded up to a multiple of 128."""
+    need = max_model_len + tree_slack(trees)
+    return -(-need // 128) * 128
+
+
+class Scheduler:
+    def __init__(self, target, head, policy, config: SchedulerConfig = SchedulerConfig(), metrics=None):
+        trees = [t for t in getattr(policy, "candidates", [getattr(policy, "tree", None)]) if t is not None]
+        if trees and head is None:
+            raise ValueError("speculation needs a draft head; use plain decoding (speculation 'off') without one")
+        self.target, self.head, self.policy, self.config, self.metrics = target, head, policy, config, metrics
+        self.graphdef, self.params_state = nnx.split(target.model)
+        self.head_graphdef, self.head_state = nnx.split(head) if head is not None else (None, None)
+        self.buckets = config.buckets()
+        self.prefill_batches = tuple(sorted(set(config.prefill_batches)))
+        self.cache_len = cache_length(config.max_model_len, trees)
+        self.draft_len = self.cache_len + draft_extra(trees)
+        self.eos = set(target.eos_token_ids)
+
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._cancel: dict[Request, str] = {}
+        self._stop = False
+        self._n_running = 0  # guarded by _lock (submit reads it)
+
+        # Loop-thread state.
+        self.state: speculative.SpecState | None = None
+        self.slots: list[Request | None] = []
+        self.synced = np.zeros(0, bool)  # row's draft cache is in step with its target cache
+        self._params = None  # device SamplingParams for the current slots
+        self._small_steps = 0
+        self.last_batch = 0
+        self.steps = 0
+        self.thread: threading.Thread | None = None
+        self.failure: BaseException | None = None
+
+    # --- public, thread-safe ------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._run, name="eagle-jax-scheduler", daemon=True)
+            self.thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        with self._lock:
+            self._stop = True
+            self._wake.notify_all()
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive() and not self._stop
+
+    def submit(self, req: Request) -> None:
+        """Queues a request; raises QueueFull when max_batch + max_queue requests are in already."""
+        n, vocab = len(req.prompt_ids), self.target.cfg.vocab_size
+        if n + req.max_tokens > self.config.max_model_len:
+            raise ValueError(f"prompt ({n}) + max_tokens ({req.max_tokens}) exceeds max_model_len "
+                             f"{self.config.max_model_len}")
+        if min(req.prompt_ids) < 0 or max(req.prompt_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        with self._lock:
+            if self._stop:
+                raise ShuttingDown("the server is shutting down")
+            if self._n_running + len(self._waiting) >= self.config.max_batch + self.config.max_queue:
+                raise QueueFull(f"{self._n_running} requests running and {len(self._waiting)} waiting")
+            self._waiting.append(req)
+            self._wake.notify_all()
+
+    def cancel(self, req: Request, reason: str = "cancelled") -> None:
+        """Ends a request early (its slot is freed before the next step). Idempotent."""
+        with self._lock:
+            if req.finish_reason is None:
+                self._cancel[req] = reason
+                self._wake.notify_all()
+
+    def counts(self) -> dict:
+        with self._lock:
+            running, waiting = self._n_running, len(self._waiting)
+        return {"running": running, "waiting": waiting, "bucket": len(self.slots), "batch": self.last_batch,
+                "free": self.config.max_batch - running}
+
+    # --- loop ---------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not (self._stop or self._waiting or self._cancel or self._n_running):
+                        self._wake.wait()
+                    if self._stop:
+                        break
+                    cancels, self._cancel = self._cancel, {}
+                self._drop(cancels)
+                self._admit()
+                if self._n_running:
+                    self._step()
+                if not self._n_running and not self._waiting and self.state is not None:
+                    self._release()
+        except BaseException as e:  # keep serving impossible, but fail every request loudly
+            log.exception("scheduler loop crashed")
+            self.failure = e
+        finally:
+            with self._lock:
+                self._stop = True
+                pending = list(self._waiting) + [r for r in self.slots if r is not None]
+                self._waiting.clear()
+            for r in pending:
+                self._fail(r, "the server is shutting down" if self.failure is None else f"engine failure: {self.failure}")
+
+    def _fail(self, req: Request, message: str) -> None:
+        if req.finish_reason is None:
+            req.finish_reason = "error"
+            req._emit(Event("error", message=message))
+
+    def _release(self) -> None:
+        """Idle: drop the state (the next request starts a fresh one at the smallest bucket it needs)."""
+        self.state, self.slots, self.synced = None, [], np.zeros(0, bool)
+        self._params = None
+
+    def _drop(self, cancels: dict) -> None:
+        if not cancels:
+            return
+        with self._lock:
+            kept = collections.deque(r for r in self._waiting if r not in cancels)
+            dropped_waiting = [r for r in self._waiting if r in cancels]
+            self._waiting = kept
+        for r in dropped_waiting:
+            r.finish_reason = cancels[r]
+            r._emit(Event("done", reason=cancels[r]))
+        for slot, r in enumerate(self.slots):
+            if r is not None and r in cancels:
+                self._finish(slot, cancels[r])
+
+    def _finish(self, slot: int, reason: str) -> None:
+        req = self.slots[slot]
+        self.slots[slot] = None
+        with self._lock:
+            self._n_running -= 1
+        if req.finish_reason is None:
+            req.finish_reason = reason
+            req._emit(Event("done", reason=reason))
+
+    # --- batch state ----------------------------------------------------------------------------------
+    def _resize(self, bucket: int) -> None:
+        """Gathers the running rows (compacted to the front) into a state of `bucket` rows."""
+        rows = [i for i, r in enumerate(self.slots) if r is not None]
+        if self.state is None:
+            self.state = speculative.empty_state(self.target, self.head, bucket, self.cache_len, self.draft_len)
+        else:
+            src = np.asarray(rows + [-1] * (bucket - len(rows)), np.int32)
+            self.state = speculative.take_rows(self.state, jnp.asarray(src))
+        self.slots = [self.slots[i] for i in rows] + [None] * (bucket - len(rows))
+        synced = np.zeros(bucket, bool)
+        synced[: len(rows)] = self.synced[rows] if len(rows) else False
+        self.synced = synced
+        for i, r in enumerate(self.slots):
+            if r is not None:
+                r.slot = i
+        self._params = None
+        self._small_steps = 0
+
+    def _sampling_params(self) -> SamplingParams:
+        if self._params is None:
+            reqs = self.slots
+            p = SamplingParams.make(
+                len(reqs),
+                [r.temperature if r else 0.0 for r in reqs], [r.top_k if r else 0 for r in reqs],
+                [r.top_p if r else 1.0 for r in reqs], [r.seed if r else 0 for r in reqs])
+            self._params = SamplingParams(*(jnp.asarray(a) for a in (p.temperature, p.top_k, p.top_p, p.seed)))
+        return self._params
+
+    def _take_newcomers(self, free: int) -> list[Request]:
+        cap = min(free, self.prefill_batches[-1])
+        out: list[Request] = []
+        with self._lock:
+            while self._waiting and len(out) < cap:
+                nxt = self._waiting[0]
+                longest = max([len(r.prompt_ids) for r in out] + [len(nxt.prompt_ids)])
+                b = next(x for x in self.prefill_batches if x >= len(out) + 1)
+                if out and b * engine.length_bucket(longest) > self.config.prefill_tokens:
+                    break
+                out.append(self._waiting.popleft())
+            self._n_running += len(out)
+        return out
+
+    def _admit(self) -> None:
+        free = self.config.max_batch - self._n_running
+        if free <= 0 or not self._waiting:
+            return
+        newcomers = self._take_newcomers(free)
+        if not newcomers:
+            return
+        try:
+            running = sum(r is not None for r in self.slots)
+            need = running + len(newcomers)
+            if self.state is None or need > len(self.slots):
+                self._resize(next(b for b in self.buckets if b >= need))
+            free_slots = [i for i, r in enumerate(self.slots) if r is None][: len(newcomers)]
+            k = len(newcomers)
+            b = next(x for x in self.prefill_batches if x >= k)
+            t = self._prompt_bucket(max(len(r.prompt_ids) for r in newcomers))
+            tokens = np.zeros((b, t), np.int32)
+            lens = np.ones((b,), np.int32)
+            for i, r in enumerate(newcomers):
+                tokens[i, : len(r.prompt_ids)] = r.prompt_ids
+                lens[i] = len(r.prompt_ids)
+            params = SamplingParams.make(k, [r.temperature for r in newcomers], [r.top_k for r in newcomers],
+                                         [r.top_p for r in newcomers], [r.seed for r in newcomers]).pad_to(b)
+            t0 = time.perf_counter()
+            new = self._prefill(tokens, lens, params)
+            dst = np.asarray(free_slots + [len(self.slots)] * (b - k), np.int32)
+            self.state = speculative.insert_rows(self.state, new, jnp.asarray(dst))
+            first = np.asarray(new.root)
+            dt = time.perf_counter() - t0
+        except Exception as e:
+            log.exception("prefill failed")
+            with self._lock:
+                self._n_running -= len(newcomers)
+            for r in newcomers:
+                self._fail(r, f"prefill failed: {e}")
+            self._recover_if_broken()
+            return
+        if self.metrics is not None:
+            self.metrics.inc("eagle_prefills_total")
+            self.metrics.inc("eagle_prefill_seconds_total", dt)
+            self.metrics.inc("eagle_prompt_tokens_total", sum(len(r.prompt_ids) for r in newcomers))
+        self._params = None
+        for i, (slot, r) in enumerate(zip(free_slots, newcomers)):
+            self.slots[slot] = r
+            r.slot = slot
+            self.synced[slot] = self.head is not None
+        for i, (slot, r) in enumerate(zip(free_slots, newcomers)):
+            self._deliver(slot, [int(first[i])])
+
+    def _prompt_bucket(self, n: int) -> int:
+        # Half-octave buckets, but never wider than the cache the prompt is written into.
+        return min(engine.length_bucket(n), self.cache_len)
+
+    def _prefill(self, tokens, lens, params) -> speculative.SpecState:
+        """Prefills a batch of newcomers [b, t] into a fresh state of the running cache length."""
+        b = tokens.shape[0]
+        cache = self.target.model.init_cache(b, self.cache_len)
+        if self.head is None:
+            root, cache = engine.prefill_step(self.graphdef, self.params_state, jnp.asarray(tokens), jnp.asarray(lens),
+                                              cache, params)
+            dcache, root_hidden = speculative.headless_parts(b)
+            return speculative.SpecState(cache, dcache, root, root_hidden)
+        return speculative.spec_prefill(self.graphdef, self.params_state, self.head_graphdef, self.head_state,
+                                        jnp.asarray(tokens), jnp.asarray(lens), cache,
+                                        self.head.init_cache(b, self.draft_len), params)
+
+    def _recover_if_broken(self) -> None:
+        """After a failed jitted call the donated state may be gone: fail the running rows and start over."""
+        if self.state is None:
+            return
+        try:
+            leaves_ok = not any(getattr(x, "is_deleted", lambda: False)() for x in
+                                (self.state.root, self.state.cache.lengths))
+        except Exception:
+            leaves_ok = False
+        if leaves_ok:
+            return
+        for slot, r in enumerate(self.slots):
+            if r is not None:
+                self._fail(r, "engine state lost after an error")
+                self.slots[slot] = None
+                with self._lock:
+                    self._n_running -= 1
+        self._release()
+
+    # --- one step -------------------------------------------------------------------------------------
+    def _step(self) -> None:
+        bucket = len(self.slots)
+        active = np.array([r is not None for r in self.slots])
+        n_active = int(active.sum())
+        n_synced = int((active & self.synced).sum())
+        choice = self.policy.choose(bucket, n_active, n_synced)
+        params = self._sampling_params()
+        t0 = time.perf_counter()
+        try:
+            if choice.tree is None:
+                self.state, emitted, count = speculative.verify_step(self.graphdef, self.params_state, self.state,
+                                                                     params, jnp.asarray(active))
+            else:
+                self.state, emitted, count = speculative.spec_step(
+                    self.graphdef, self.params_state, self.head_graphdef, self.head_state, self.state, params,
+                    jnp.asarray(active), choice.tree)
+            emitted, count = np.asarray(emitted), np.asarray(count)
+        except Exception as e:
+            log.exception("decoding step failed")
+            for slot, r in enumerate(self.slots):
+                if r is not None:
+                    self._fail(r, f"decoding step failed: {e}")
+                    self.slots[slot] = None
+                    with self._lock:
+                        self._n_running -= 1
+            self._release()
+            return
+        dt = time.perf_counter() - t0
+        self.steps += 1
+        self.last_batch = n_active
+        self.policy.observe(choice.tree, [int(count[r]) for r in range(bucket) if active[r] and self.synced[r]])
+        if choice.tree is None:
+            self.synced[:] = False  # the draft was not refreshed
+        tokens = 0
+        for slot in range(bucket):
+            if active[slot]:
+                tokens += self._deliver(slot, emitted[slot, : int(count[slot])].tolist())
+        if self.metrics is not None:
+            name = choice.name
+            self.metrics.inc("eagle_steps_total", config=name)
+            self.metrics.inc("eagle_step_rows_total", n_active, config=name)
+            self.metrics.inc("eagle_step_tokens_total", int(count[active].sum()), config=name)
+            self.metrics.inc("eagle_step_seconds_total", dt, config=name)
+            if choice.explore:
+                self.metrics.inc("eagle_harness_explore_total")
+        self._maybe_shrink()
+
+    def _deliver(self, slot: int, tokens: list[int]) -> int:
+        """Hands a row's new tokens to its request, stopping at EOS / max_tokens. Returns tokens delivered."""
+        req = self.slots[slot]
+        out, reason = [], None
+        for t in tokens:
+            out.append(t)
+            req.generated += 1
+            if t in self.eos and not req.ignore_eos:
+                reason = "stop"
+                break
+            if req.generated >= req.max_tokens:
+                reason = "length"
+                break
+        if out:
+            req._emit(Event("tokens", tokens=tuple(out)))
+            if self.metrics is not None:
+                self.metrics.inc("eagle_generation_tokens_total", len(out))
+        if reason is not None:
+            self._finish(slot, reason)
+        return len(out)
+
+    def _maybe_shrink(self) -> None:
+        n = sum(r is not None for r in self.slots)
+        smaller = next(b for b in self.buckets if b >= max(n, 1))
+        if smaller < len(self.slots) and not self._waiting:
+            self._small_steps += 1
+            if self._small_steps >= self.config.shrink_patience:
+                self._resize(smaller)
+        else:
+            self._small_steps = 0
+
+    # --- warm-up --------------------------------------------------------------------------------------
+    def warmup(self, prompt_len: int = 128) -> float:
+        """Compiles what serving runs, so no request waits for a compile: every step variant at every batch
+        bucket, prefills of every prefill batch and prompt bucket up to `prompt_len` tokens, the row
+        scatters and the bucket changes. Returns seconds."""
+        t0 = time.perf_counter()
+        empty = lambda b: speculative.empty_state(self.target, self.head, b, self.cache_len, self.draft_len)
+        limit = min(prompt_len, self.config.max_model_len - 1)
+        prompt_buckets = sorted({self._prompt_bucket(n) for n in range(1, limit + 1)})
+        for b in self.prefill_batches:
+            for t in prompt_buckets:
+                new = self._prefill(np.zeros((b, t), np.int32), np.ones((b,), np.int32), SamplingParams.make(b))
+            for bucket in self.buckets:
+                speculative.insert_rows(empty(bucket), new, jnp.full((b,), bucket, jnp.int32)).root.block_until_ready()
+        log.info("warm-up: prefills compiled (batches %s, prompt buckets %s)", self.prefill_batches, prompt_buckets)
+        for src in self.buckets:
+            for dst in self.buckets:
+                if src != dst:
+                    speculative.take_rows(empty(src), jnp.full((dst,), -1, jnp.int32)).root.block_until_ready()
+        trees = [t for t in getattr(self.policy, "candidates", [getattr(self.policy, "tree", None)])]
+        for b in self.buckets:
+            params = SamplingParams.make(b)
+            active = jnp.zeros((b,), bool)
+            for tree in trees:
+                s = speculative.empty_state(self.target, self.head, b, self.cache_len, self.draft_len)
+                if tree is None:
+                    out = speculative.verify_step(self.graphdef, self.params_state, s, params, active)
+                else:
+                    out = speculative.spec_step(self.graphdef, self.params_state, self.head_graphdef,
+                                                self.head_state, s, params, active, tree)
+                out[2].block_until_ready()
+            log.info("warm-up: batch bucket %d compiled (%s)", b, ", ".join(candidate_name(t) for t in trees))
+        log.info("warm-up done in %.1f s", time.perf_counter() - t0)
+        return time.perf_counter() - t0

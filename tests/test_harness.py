@@ -1,0 +1,142 @@
+"""The load-aware harness: its choices under synthetic cost profiles, its statistics, its profile cache."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from eagle_jax import harness
+from eagle_jax.harness import AcceptanceStats, Harness, Profile, candidate_name, parse_candidate
+from eagle_jax.tree import TreeConfig
+
+TREES = [TreeConfig.chain(3), TreeConfig(4, 4, 8), TreeConfig(5, 4, 16), TreeConfig(6, 4, 24)]
+BUCKETS = (1, 2, 4, 8, 16, 32)
+
+
+def profile_from(cost):
+    """A Profile whose step seconds are cost(batch, tree_tokens) for every bucket and candidate."""
+    seconds = {b: {candidate_name(t): cost(b, 1 if t is None else t.tree_tokens) for t in [None] + TREES}
+               for b in BUCKETS}
+    return Profile("synthetic", seconds, {})
+
+
+STEEP = profile_from(lambda b, n: 0.01 * (1 + 0.2 * n * b))  # verify cost grows with N x B (compute-bound)
+FLAT = profile_from(lambda b, n: 0.01 * (1 + 0.002 * n))  # an accelerator far from its compute limit
+
+
+def good_head_stats(alpha=0.8, steps=200, rows=8, seed=0):
+    """Statistics after `steps` steps of the deepest tree with a head whose drafts are accepted with
+    probability `alpha` at every depth."""
+    rng = np.random.default_rng(seed)
+    stats = AcceptanceStats(max_depth=6)
+    tree = TREES[-1]
+    for _ in range(steps):
+        accepted = np.minimum(rng.geometric(1 - alpha, size=rows) - 1, tree.depth)
+        stats.observe(tree, (accepted + 1).tolist())
+    return stats
+
+
+def test_steep_costs_choose_no_speculation_at_large_batch_and_a_tree_at_batch_one():
+    h = Harness(TREES, STEEP, stats=good_head_stats())
+    assert h.choose(32, 32, 32).name == "off"
+    assert h.choose(16, 16, 16).name == "off"
+    small = h.choose(1, 1, 1)
+    assert small.tree is not None and not small.explore
+    # What it picks maximises expected tokens per second among the candidates.
+    rates = {candidate_name(t): h._tokens(t, 1, 1, bonus=False) / STEEP.cost(1, candidate_name(t))
+             for t in h.candidates}
+    assert small.name == max(rates, key=rates.get)
+
+
+def test_flat_costs_choose_the_deepest_tree_at_every_batch():
+    h = Harness(TREES, FLAT, stats=good_head_stats())
+    for b in BUCKETS:
+        c = h.choose(b, b, b)
+        assert c.tree == TreeConfig(6, 4, 24), (b, c)
+        assert c.expected_tokens > 3.5 * b
+
+
+def test_a_useless_head_gets_no_speculation_even_when_trees_are_cheap():
+    stats = AcceptanceStats(max_depth=6)
+    for _ in range(300):
+        for t in TREES:  # every tree tried; nothing is ever accepted
+            stats.observe(t, [1] * 8)
+    h = Harness(TREES, FLAT, stats=stats)
+    assert [h.choose(b, b, b).name for b in (1, 8, 32)] == ["off"] * 3
+
+
+def test_rows_out_of_sync_with_their_draft_count_one_token():
+    h = Harness(TREES, FLAT, stats=good_head_stats())
+    assert h.choose(8, 8, 0).name == "off"  # no row can use a tree: a plain step is cheaper
+    c = h.choose(8, 8, 4)
+    assert c.tree is not None
+    assert c.expected_tokens == pytest.approx(4 * h.stats.expected_tokens(c.tree) + 4)
+
+
+def test_untried_trees_are_explored_and_dropped_when_they_disappoint():
+    stats = AcceptanceStats(max_depth=6)
+    h = Harness([TreeConfig.chain(3)], Profile("p", {1: {"off": 0.010, "d3k1n4": 0.015}}, {}), stats=stats)
+    first = h.choose(1, 1, 1)  # no evidence yet: the prior and the optimism bonus want a look
+    assert first.tree == TreeConfig.chain(3)
+    for _ in range(50):
+        stats.observe(TreeConfig.chain(3), [1])
+    later = h.choose(1, 1, 1)
+    assert later.name == "off" and not later.explore
+    # Close to a break-even cost, the optimism bonus alone asks for a look (exploration).
+    h.profile = Profile("p", {1: {"off": 0.010, "d3k1n4": 0.0105}}, {})
+    assert h.choose(1, 1, 1).explore
+    # Evidence decays, so a tree not run for a long time is tried again at any cost that could pay.
+    h.profile = Profile("p", {1: {"off": 0.010, "d3k1n4": 0.015}}, {})
+    for _ in range(3000):
+        stats.observe(None, [])
+    assert h.choose(1, 1, 1).tree == TreeConfig.chain(3)
+
+
+def test_acceptance_rates_are_censored_at_the_tree_depth():
+    stats = AcceptanceStats(max_depth=6, prior_accept=0.5, prior_strength=2.0)
+    for _ in range(100):
+        stats.observe(TreeConfig.chain(2), [3, 3, 2, 1])  # accepted 2, 2, 1, 0 drafts
+    a = stats.alpha()
+    # depth 1: 3 of 4 rows passed; depth 2: 2 of the 3 that got there; depth 3+: never at risk -> prior.
+    assert a[1] == pytest.approx(0.75, abs=0.01) and a[2] == pytest.approx(2 / 3, abs=0.01)
+    assert a[3] == pytest.approx(0.5)
+    assert stats.expected_tokens(TreeConfig.chain(2)) == pytest.approx(2.25, abs=0.02)  # its own mean dominates
+    assert stats.model_tokens(TreeConfig.chain(4)) == pytest.approx(1 + 0.75 + 0.5 + 0.25 + 0.125, abs=0.02)
+
+
+def test_candidates_parse_from_strings():
+    assert parse_candidate("off") is None and parse_candidate("4,4,16") == TreeConfig(4, 4, 16)
+    assert parse_candidate("d5k4n12") == TreeConfig(5, 4, 12) and parse_candidate("3,2,1") is None
+    assert candidate_name(TreeConfig(6, 4, 24)) == "d6k4n24" and candidate_name(None) == "off"
+    for bad in ("deep", "4,4", "4,4,99"):
+        with pytest.raises(ValueError):
+            parse_candidate(bad)
+
+
+def test_cost_profile_is_measured_once_cached_on_disk_and_remeasured_on_request(tmp_path, monkeypatch):
+    from test_speculative import oracle_pair
+
+    tgt, head = oracle_pair()
+    cands = [None, TreeConfig.chain(2)]
+    kw = dict(cache_dir=tmp_path, reps=2)
+    first = harness.load_or_measure(tgt, head, (1, 2), cands, 128, 140, **kw)
+    assert first.source == "measured"
+    assert set(first.seconds) == {1, 2} and set(first.seconds[1]) == {"off", "d2k1n3"}
+    assert all(s > 0 for row in first.seconds.values() for s in row.values())
+    files = list(tmp_path.glob("*.json"))
+    assert [f.name for f in files] == [first.key + ".json"]
+    assert json.loads(files[0].read_text())["meta"]["device"] == harness.device_kind()
+
+    def no_measuring(*a, **k):
+        raise AssertionError("the cached profile should have been used")
+
+    monkeypatch.setattr(harness, "measure_profile", no_measuring)
+    again = harness.load_or_measure(tgt, head, (1, 2), cands, 128, 140, **kw)
+    assert again.source == "cache" and again.seconds == first.seconds
+    with pytest.raises(AssertionError, match="cached profile"):
+        harness.load_or_measure(tgt, head, (1, 2), cands, 128, 140, reprofile=True, **kw)
+    # Other settings (here a longer cache) are another key, so another measurement.
+    other = harness.profile_key(tgt, head, (1, 2), ["off", "d2k1n3"], 256)
+    assert other != first.key

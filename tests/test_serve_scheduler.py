@@ -1,0 +1,150 @@
+"""The engine loop without HTTP (batch buckets growing and shrinking, cancellation, queue limits) and the
+incremental detokeniser."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+import eagle_jax
+from eagle_jax.harness import FixedPolicy
+from eagle_jax.serve.scheduler import QueueFull, Request, Scheduler, SchedulerConfig
+from eagle_jax.serve.text import TextStream
+from eagle_jax.tree import TreeConfig
+from test_decoding import PROMPTS, tiny_target
+from test_speculative import oracle_pair
+
+
+class Collector:
+    """Sinks for requests: tokens and the final event per request, and an event when all are done."""
+
+    def __init__(self, n):
+        self.tokens = [[] for _ in range(n)]
+        self.end = [None] * n
+        self.left = n
+        self.done = threading.Event()
+        self.lock = threading.Lock()
+
+    def sink(self, i):
+        def on_event(ev):
+            with self.lock:
+                if ev.kind == "tokens":
+                    self.tokens[i].extend(ev.tokens)
+                else:
+                    self.end[i] = ev.reason or ev.message
+                    self.left -= 1
+                    if self.left == 0:
+                        self.done.set()
+        return on_event
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "spec"])
+def test_batch_shrinks_and_grows_between_steps_without_changing_any_output(speculative, monkeypatch):
+    if speculative:
+        target, head = oracle_pair()
+        policy = FixedPolicy(TreeConfig(3, 2, 6))
+    else:
+        target, head, policy = tiny_target(), None, FixedPolicy(None)
+    cfg = SchedulerConfig(max_batch=4, max_model_len=96, batch_buckets=(1, 4), prefill_batches=(1, 4),
+                          shrink_patience=2)
+    sched = Scheduler(target, head, policy, cfg)
+    resizes = []
+    resize = sched._resize
+    monkeypatch.setattr(sched, "_resize", lambda b: (resizes.append(b), resize(b)))
+    prompts = PROMPTS + [[9, 9, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
+    max_tokens = [3, 6, 70, 9, 40, 5]  # the long ones outlive the others: 4 rows -> 1 row -> 4 rows
+    col = Collector(len(prompts))
+    reqs = [Request(p, m, sink=col.sink(i)) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+    for r in reqs[:4]:
+        sched.submit(r)
+    sched.start()
+    try:
+        # The second wave arrives once the batch has shrunk to one row.
+        deadline = time.time() + 60
+        while 1 not in resizes[1:]:
+            assert time.time() < deadline, f"the batch did not shrink: {resizes}"
+            time.sleep(0.005)
+        for r in reqs[4:]:
+            sched.submit(r)
+        assert col.done.wait(120)
+    finally:
+        sched.shutdown()
+    want = [eagle_jax.generate(target, [p], max_new_tokens=m).token_ids[0] for p, m in zip(prompts, max_tokens)]
+    assert col.tokens == want
+    assert col.end == ["length"] * len(prompts)
+    assert resizes[:2] == [4, 1] and 4 in resizes[2:]  # grew for the first wave, shrank, grew again
+
+
+def test_cancelling_a_queued_request_ends_it_without_tokens_and_others_finish():
+    target = tiny_target()
+    sched = Scheduler(target, None, FixedPolicy(None), SchedulerConfig(max_batch=2, max_model_len=64,
+                                                                       batch_buckets=(2,), prefill_batches=(1, 2)))
+    col = Collector(3)
+    reqs = [Request(PROMPTS[i], 8, sink=col.sink(i)) for i in range(3)]
+    for r in reqs:
+        sched.submit(r)
+    sched.cancel(reqs[1])  # still waiting: the loop has not started
+    sched.start()
+    try:
+        assert col.done.wait(60)
+    finally:
+        sched.shutdown()
+    assert col.end == ["length", "cancelled", "length"] and col.tokens[1] == []
+    assert col.tokens[2] == eagle_jax.generate(target, [PROMPTS[2]], max_new_tokens=8).token_ids[0]
+
+
+def test_a_full_queue_raises_instead_of_waiting():
+    sched = Scheduler(tiny_target(), None, FixedPolicy(None), SchedulerConfig(max_batch=1, max_queue=1))
+    sched.submit(Request([1, 2], 4))
+    sched.submit(Request([1, 2], 4))
+    with pytest.raises(QueueFull):
+        sched.submit(Request([1, 2], 4))
+
+
+class ByteTokenizer:
+    """Token id = one byte: characters can span tokens, as with byte-level BPE."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_text_stream_holds_back_partial_characters_and_possible_stop_strings():
+    ts = TextStream(ByteTokenizer())
+    e_acute = list("é".encode())
+    assert ts.add([ord("a"), e_acute[0]]) == "a"  # the first byte of é decodes to U+FFFD: held back
+    assert ts.add([e_acute[1], ord("b")]) == "éb"
+    assert ts.finish() == "" and ts.tokens == 4
+
+    ts = TextStream(ByteTokenizer(), stop=["END", "!!"])
+    out = [ts.add(list(b"ab")), ts.add(list(b"E")), ts.add(list(b"X")), ts.add(list(b"EN")), ts.add(list(b"D tail"))]
+    assert out == ["ab", "", "EX", "", ""]
+    assert ts.stopped and ts.text == "abEX" and ts.tokens == 7  # counts up to the token that completed "END"
+    assert ts.add(list(b"more")) == "" and ts.finish() == ""
+
+    ts = TextStream(ByteTokenizer(), stop=["END"])
+    assert ts.add(list(b"hello EN")) == "hello "
+    assert ts.finish() == "EN"  # generation ended without the stop string: release what was held
+
+
+def test_warmup_compiles_everything_serving_runs():
+    from eagle_jax import engine
+
+    target, head = oracle_pair()
+    sched = Scheduler(target, head, FixedPolicy(TreeConfig(3, 2, 6)),
+                      SchedulerConfig(max_batch=2, max_model_len=64, batch_buckets=(1, 2), prefill_batches=(1, 2),
+                                      shrink_patience=1))
+    sched.warmup(prompt_len=24)
+    before = dict(engine.TRACE_COUNTS)
+    col = Collector(4)
+    prompts = [PROMPTS[0], PROMPTS[1], [5] * 24, PROMPTS[2]]
+    for i, (p, m) in enumerate(zip(prompts, [4, 30, 8, 12])):  # joins, leaves, batch grows and shrinks
+        sched.submit(Request(p, m, temperature=0.5 * (i % 2), seed=i, sink=col.sink(i)))
+    sched.start()
+    try:
+        assert col.done.wait(60)
+    finally:
+        sched.shutdown()
+    assert col.end == ["length"] * 4
+    assert dict(engine.TRACE_COUNTS) == before  # no request waited for a compile
