@@ -89,6 +89,24 @@ def test_recipe_runs_end_to_end_resumes_and_exports_a_loadable_head(tiny_model_d
     assert r.token_ids == eagle_jax.generate(target, "hi", max_new_tokens=6).token_ids
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().strip().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [2, 3, 4, 6]  # the first run (--steps 3) logs its last step
+    if kind != "eagle3":
+        return
+    # A new run continues from the exported head (same data dir, so no new answers to generate):
+    # before its first step, the evaluation equals the source head's.
+    cont = tmp_path / "cont.toml"
+    cont.write_text(recipe.read_text().replace('draft_vocab_size = 512', f'draft_vocab_size = 512\ninit_from = "{summary["head"]}"')
+                    .replace(f'out_dir = "{tmp_path / "run"}"', f'out_dir = "{tmp_path / "run2"}"'))
+    third = _run(cont, "--steps", "1")
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert "[head] initialised from" in third.stdout
+    again = eagle_jax.load_draft(json.loads(third.stdout.strip().splitlines()[-1])["head"], target.cfg)
+    import numpy as np
+
+    np.testing.assert_array_equal(np.asarray(again.d2t[...]), np.asarray(head.d2t[...]))
+    bad = tmp_path / "bad.toml"
+    bad.write_text(cont.read_text().replace("draft_vocab_size = 512", "draft_vocab_size = 256"))
+    out = _run(bad)
+    assert out.returncode == 2 and "init_from" in out.stderr and "256" in out.stderr
 
 
 def test_recipe_errors_name_the_problem(tmp_path):

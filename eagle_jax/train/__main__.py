@@ -19,7 +19,7 @@ from pathlib import Path
 
 KNOWN = {
     "target": {"model"},
-    "head": {"kind", "draft_vocab_size", "init_from_target_layer", "seed"},
+    "head": {"kind", "draft_vocab_size", "init_from_target_layer", "init_from", "seed", "export_dtype"},
     "data": {"dir", "sources", "max_new_tokens", "temperature", "top_p", "batch_size", "shard_size", "seed",
              "holdout", "features", "features_dir", "limit"},
     "train": {"out_dir"} | {f.name for f in dataclasses.fields(__import__(
@@ -133,10 +133,22 @@ def main(argv=None) -> int:
     kind = h.get("kind", "eagle3")
     cfg = DraftConfig.for_target(target.cfg, kind, h.get("draft_vocab_size"))
     head = DraftHead(cfg, rngs=nnx.Rngs(int(h.get("seed", 0))), dtype=target.model.dtype)
-    if kind == "eagle3":
+    if h.get("init_from"):  # continue from an exported head (its weights and draft vocabulary)
+        from eagle_jax.draft import load_draft
+
+        p = Path(h["init_from"])
+        head = load_draft(p if p.is_absolute() else base / p, target.cfg, dtype=target.model.dtype)
+        if (head.cfg.kind, head.cfg.draft_vocab_size, head.cfg.aux_layers) != (kind, cfg.draft_vocab_size,
+                                                                                cfg.aux_layers):
+            print(f"error: {args.recipe}: head.init_from {h['init_from']} is a {head.cfg.kind} head with draft "
+                  f"vocabulary {head.cfg.draft_vocab_size}; the recipe asks for {kind} / {cfg.draft_vocab_size}",
+                  file=sys.stderr)
+            return 2
+        print(f"[head] initialised from {p}", flush=True)
+    elif kind == "eagle3":
         d2t, _ = build_draft_vocab(train_rows, cfg.vocab_size, cfg.draft_vocab_size, always=target.eos_token_ids)
         head.d2t[...] = np.asarray(d2t, np.int32)
-    if h.get("init_from_target_layer"):
+    if h.get("init_from_target_layer") and not h.get("init_from"):
         top = target.model.layers[target.cfg.num_layers - 1]
         for name in ("wo", "w_gate", "w_up", "w_down"):
             getattr(head, name)[...] = getattr(top, name)[...]
@@ -174,7 +186,7 @@ def main(argv=None) -> int:
 
     hist = trainer.train(train_rows, eval_rows=eval_rows, checkpointer=ckpt, on_log=on_log, features_dir=feat_dir)
     ckpt.wait()
-    head_dir = export(trainer, out / "head")
+    head_dir = export(trainer, out / "head", dtype=h.get("export_dtype", "float32"))
     summary = {"steps": trainer.step, "head": str(head_dir), "final": hist[-1] if hist else None,
                "eval_acc": trainer.evaluate(eval_rows)}
     print(f"[export] {head_dir}", flush=True)

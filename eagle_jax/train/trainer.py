@@ -257,5 +257,5 @@ class Checkpointer:
         self.manager.close()
 
 
-def export(trainer: Trainer, path) -> Path:
-    return save_draft(trainer.head(), path)
+def export(trainer: Trainer, path, dtype="float32") -> Path:
+    return save_draft(trainer.head(), path, dtype=dtype)
