@@ -204,7 +204,7 @@ def generate_dataset(target, prompts: Sequence[str], out_dir, settings: Generati
                 progress(len(batch))
         name = f"shard-{len(manifest['shards']):05d}.npz"
         tmp = out / (name + ".tmp.npz")
-        np.savez(tmp, tokens=np.asarray(tokens, np.int32), offsets=np.asarray(offsets, np.int64),
+        np.savez_compressed(tmp, tokens=np.asarray(tokens, np.int32), offsets=np.asarray(offsets, np.int64),
                  loss_mask=np.asarray(masks, np.uint8), prompt_index=np.arange(start, stop))
         os.replace(tmp, out / name)  # a shard exists only once complete
         manifest["shards"].append(name)
