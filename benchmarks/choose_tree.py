@@ -6,8 +6,8 @@ For every candidate TreeConfig (depth x top-k x N) it measures, in one run:
   * the cost of one jitted speculative step (draft + verify + accept + draft refresh) at batch 1,
     relative to one plain decode step at the same context length, and
   * tau (tokens per step incl. the bonus token) of greedy decoding on development prompts that are
-    not evaluation prompts (by default: the last prompts of the shipped head's training data, which
-    the trainer held out),
+    not evaluation prompts (by default: the last prompts of the shipped head's prompt list, which
+    come after the answered ones and so were never trained on),
 and ranks the trees by the estimated speedup tau / cost. Prints a table, writes JSON. The winner is
 what `TreeConfig()` defaults to for the shipped head on CPU (see the note in eagle_jax/tree.py).
 """
@@ -50,7 +50,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--draft", default="default")
-    ap.add_argument("--prompts", default="runs/smollm2-eagle3/data/prompts.json",
+    ap.add_argument("--prompts", default="train/data/smollm2-135m-instruct-eagle3/prompts.json",
                     help="JSON list or JSONL ('prompt') of development prompts; the last --n are used")
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)

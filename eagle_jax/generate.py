@@ -31,11 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random seed; prompt i uses seed + i (default: %(default)s)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable); the text is cut before it")
     p.add_argument("--no-chat", action="store_true", help="feed the prompt as raw text instead of applying the chat template")
-    p.add_argument("--draft", default="auto",
-                   help="EAGLE draft head: 'auto' (the head shipped for --model if there is one, else plain "
-                        "decoding), 'default' (the shipped head; an error if none), a head directory (official "
-                        "EAGLE / EAGLE-3 layout), 'random' (an untrained EAGLE-3 head: same output, not faster) "
-                        "or 'none' for plain decoding (default: %(default)s)")
+    p.add_argument("--draft", default="none",
+                   help="EAGLE draft head: 'none' for plain decoding, 'default' (the head shipped for --model; "
+                        "an error if none), 'auto' (the shipped head if there is one, else plain decoding), a head "
+                        "directory (official EAGLE / EAGLE-3 layout) or 'random' (an untrained EAGLE-3 head: same "
+                        "output, not faster) (default: %(default)s; the shipped SmolLM2 head is still too weak "
+                        "to be faster on CPU, see train/README.md)")
     from eagle_jax.tree import TreeConfig
 
     tree = TreeConfig()
