@@ -38,10 +38,12 @@ GRID = [(3, 4, 8), (4, 4, 8), (4, 4, 12), (4, 4, 16), (5, 4, 12), (5, 4, 16), (6
 
 
 def dev_prompts(path, n):
-    from eagle_jax.train.data import check_not_eval
+    """The last n prompts of a JSON list or a JSONL file ('prompt' per line); evaluation prompts refused."""
+    from eagle_jax.train.data import check_not_eval, load_jsonl_prompts
 
-    rows = [json.loads(line) for line in open(path) if line.strip()]
-    prompts = [r["prompt"] if isinstance(r, dict) else r for r in rows][-n:]
+    path = Path(path)
+    prompts = json.loads(path.read_text()) if path.suffix == ".json" else load_jsonl_prompts(path)
+    prompts = prompts[-n:]
     check_not_eval(prompts, source=str(path))
     return prompts
 
@@ -60,14 +62,7 @@ def main(argv=None):
 
     target = eagle_jax.load_target(args.model)
     head = resolve_draft(args.draft, target)
-    path = Path(args.prompts)
-    if path.suffix == ".json":
-        prompts = json.loads(path.read_text())[-args.n:]
-        from eagle_jax.train.data import check_not_eval
-
-        check_not_eval(prompts, source=str(path))
-    else:
-        prompts = dev_prompts(path, args.n)
+    prompts = dev_prompts(args.prompts, args.n)
     grid = GRID if args.grid is None else [tuple(int(x) for x in t.split(",")) for t in args.grid.split(";")]
     trees = {f"d{d}k{k}n{n}": TreeConfig(d, k, n) for d, k, n in grid}
 
