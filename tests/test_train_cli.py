@@ -140,3 +140,22 @@ def test_shipped_recipes_parse():
     for r in recipes:
         rec = load_recipe(r)
         OptimConfig(**{k: v for k, v in rec["train"].items() if k != "out_dir"})
+
+
+def test_prompt_sources_are_recorded_and_may_only_be_appended(tmp_path):
+    from eagle_jax.train.__main__ import RecipeError, collect_prompts
+
+    one = [{"kind": "topics", "topics": ["otters"]}]
+    two = one + [{"kind": "topics", "topics": ["tea"]}]
+    first = collect_prompts(None, one, tmp_path / "d", tmp_path, "r.toml")
+    assert first and all("otters" in p for p in first)
+    recorded = json.loads((tmp_path / "d" / "prompt_sources.json").read_text())
+    assert recorded == [{"source": one[0], "prompts": len(first)}]
+    # Unchanged sources: the stored prompts are returned as they are.
+    (tmp_path / "d" / "prompts.json").write_text(json.dumps(first + ["kept as stored"]))
+    assert collect_prompts(None, one, tmp_path / "d", tmp_path, "r.toml")[-1] == "kept as stored"
+    both = collect_prompts(None, two, tmp_path / "d", tmp_path, "r.toml")
+    assert both[: len(first) + 1] == first + ["kept as stored"] and all("tea" in p for p in both[len(first) + 1:])
+    assert json.loads((tmp_path / "d" / "prompts.json").read_text()) == both
+    with pytest.raises(RecipeError, match="may only be appended"):
+        collect_prompts(None, [{"kind": "topics", "topics": ["chess"]}], tmp_path / "d", tmp_path, "r.toml")

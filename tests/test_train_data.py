@@ -77,8 +77,18 @@ def test_shards_hold_prompt_plus_target_answer_and_resume_exactly(tiny_with_real
         assert mask[: len(ids)].sum() == 0 and mask[len(ids):].all() and 1 <= mask.sum() <= 6
         answer = eagle_jax.generate(tgt, [prompts[i]], max_new_tokens=6, temperature=0.9, seed=5 + i)
         np.testing.assert_array_equal(tok[len(ids):], answer.token_ids[0])
-    with pytest.raises(ValueError, match="other settings"):
+    with pytest.raises(ValueError, match="other generation settings"):
         data.generate_dataset(tgt, prompts, tmp_path / "full", data.GenerationSettings(max_new_tokens=7))
+    # More prompts appended later (a second training stage): the data grows, answered rows stay.
+    data.generate_dataset(tgt, prompts[:7], tmp_path / "grown", settings)
+    grown = data.generate_dataset(tgt, prompts, tmp_path / "grown", settings)
+    assert grown["done"] == 10 and grown["prompts"] == 10
+    for (ta, _), (tb, _) in zip(a, data.read_dataset(tmp_path / "grown")):
+        np.testing.assert_array_equal(ta, tb)
+    changed = list(prompts)
+    changed[2] = "Something else entirely."
+    with pytest.raises(ValueError, match="may only be appended"):
+        data.generate_dataset(tgt, changed, tmp_path / "grown", settings)
 
 
 def test_user_turn_prefix_ends_where_the_user_text_starts(tiny_with_real_tokenizer):

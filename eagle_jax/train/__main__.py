@@ -71,6 +71,37 @@ def build_prompts(target, sources, base: Path) -> list[str]:
     return prompts
 
 
+def collect_prompts(target, sources: list, data_dir: Path, base: Path, recipe_name: str) -> list[str]:
+    """The recipe's prompts, fixed once built: <data dir>/prompts.json holds them and
+    prompt_sources.json the sources that made them (with counts). Sources appended to the recipe
+    later are built and appended (more data for a later stage); changing or removing a recorded
+    source is an error, because answered prompts must not change."""
+    from eagle_jax.train import data
+
+    prompts_file, sources_file = data_dir / "prompts.json", data_dir / "prompt_sources.json"
+    prompts, recorded = [], []
+    if prompts_file.exists():
+        prompts = json.loads(prompts_file.read_text())
+        if not sources_file.exists():  # made before sources were recorded: fixed as it is
+            return prompts
+        recorded = json.loads(sources_file.read_text())
+        done = [r["source"] for r in recorded]
+        if list(sources[:len(done)]) != done:
+            raise RecipeError(f"{recipe_name}: data.sources do not start with the sources that made "
+                              f"{prompts_file} ({sources_file}: {done}); sources may only be appended")
+    new = list(sources[len(recorded):])
+    if new or not prompts_file.exists():
+        for src in new:
+            built = build_prompts(target, [src], base)
+            data.check_not_eval(built, source=f"{recipe_name} ({src.get('kind')} source)")
+            prompts += built
+            recorded.append({"source": src, "prompts": len(built)})
+        data_dir.mkdir(parents=True, exist_ok=True)
+        prompts_file.write_text(json.dumps(prompts))
+        sources_file.write_text(json.dumps(recorded, indent=1))
+    return prompts
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m eagle_jax.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -106,14 +137,11 @@ def main(argv=None) -> int:
     target = eagle_jax.load_target(recipe["target"]["model"])
     d = recipe["data"]
     data_dir = Path(d.get("dir", out / "data"))
-    prompts_file = data_dir / "prompts.json"
-    if prompts_file.exists():
-        prompts = json.loads(prompts_file.read_text())
-    else:
-        prompts = build_prompts(target, d.get("sources", []), base)
-        data.check_not_eval(prompts, source=str(args.recipe))
-        data_dir.mkdir(parents=True, exist_ok=True)
-        prompts_file.write_text(json.dumps(prompts))
+    try:
+        prompts = collect_prompts(target, d.get("sources", []), data_dir, base, str(args.recipe))
+    except RecipeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"[data] {len(prompts)} prompts", flush=True)
     settings = data.GenerationSettings(
         max_new_tokens=int(d.get("max_new_tokens", 256)), temperature=float(d.get("temperature", 0.0)),

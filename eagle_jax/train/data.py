@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import hashlib
 import importlib.util
 import json
 import os
@@ -161,6 +162,10 @@ def _conversation_ids(tokenizer, prompt: str) -> list[int]:
     return list(enc["input_ids"] if not isinstance(enc, list) else enc)
 
 
+def _prompts_sha(prompts: Sequence[str]) -> str:
+    return hashlib.sha256(json.dumps(list(prompts)).encode()).hexdigest()
+
+
 def generate_dataset(target, prompts: Sequence[str], out_dir, settings: GenerationSettings = GenerationSettings(),
                      limit: int | None = None, progress=None) -> dict:
     """Writes shards of (prompt + target answer) token ids to out_dir; resumable. Returns the manifest.
@@ -178,10 +183,16 @@ def generate_dataset(target, prompts: Sequence[str], out_dir, settings: Generati
                 "target": target.name}
     if manifest_path.exists():
         old = json.loads(manifest_path.read_text())
-        if old.get("settings") != manifest["settings"] or old.get("prompts") != len(prompts):
-            raise ValueError(f"{manifest_path}: existing data was made with other settings or prompts; "
-                             "use a new directory")
-        manifest = old
+        if old.get("settings") != manifest["settings"]:
+            raise ValueError(f"{manifest_path}: existing data was made with other generation settings "
+                             f"({old.get('settings')}); use a new directory")
+        # Prompts may be appended (more data later); the answered ones must not change.
+        if len(prompts) < old.get("done", 0) or ("answered_sha256" in old and
+                                                 old["answered_sha256"] != _prompts_sha(prompts[:old["done"]])):
+            raise ValueError(f"{manifest_path}: the {old.get('done')} answered prompts differ from the first "
+                             f"{min(len(prompts), old.get('done', 0))} of the {len(prompts)} prompts given; "
+                             "prompts may only be appended; use a new directory")
+        manifest = dict(old, prompts=len(prompts))
     engine = _engine_for(target)
     end = len(prompts) if limit is None else min(limit, len(prompts))
     while manifest["done"] < end:
@@ -209,6 +220,7 @@ def generate_dataset(target, prompts: Sequence[str], out_dir, settings: Generati
         os.replace(tmp, out / name)  # a shard exists only once complete
         manifest["shards"].append(name)
         manifest["done"] = stop
+        manifest["answered_sha256"] = _prompts_sha(prompts[:stop])
         tmp_m = out / "manifest.json.tmp"
         tmp_m.write_text(json.dumps(manifest, indent=1))
         os.replace(tmp_m, manifest_path)
