@@ -127,6 +127,21 @@ def test_online_and_offline_features_give_identical_batches(tiny_with_real_token
     nxt, first = next(F.token_batches(rows, 2, 16, start=2))
     assert nxt == 4
     np.testing.assert_array_equal(first.tokens, online[1].tokens)
+    # Computed on first use: a run that starts mid-epoch writes only what it reads; later passes read the
+    # files back without calling the target, and give the same batches.
+    calls = []
+    counting = lambda b: calls.append(1) or ex(b)
+    lazy = list(F.cached_feature_batches(counting, rows, 2, 16, tmp_path / "lazy", start_batch=1))
+    assert len(calls) == 2 and sorted(p.name for p in (tmp_path / "lazy").glob("batch-*")) == [
+        "batch-000001.npz", "batch-000002.npz"]
+    again = list(F.cached_feature_batches(counting, rows, 2, 16, tmp_path / "lazy"))
+    assert len(calls) == 3 and len(again) == 3
+    for a, b in zip(online, again):
+        for name in ("tokens", "loss_mask", "valid", "hidden", "aux"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+    np.testing.assert_array_equal(lazy[0].hidden, online[1].hidden)
+    with pytest.raises(ValueError, match="use a new features_dir"):
+        next(F.cached_feature_batches(counting, rows, 4, 16, tmp_path / "lazy"))
 
 
 def test_draft_vocab_keeps_the_most_frequent_answer_tokens():

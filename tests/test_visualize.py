@@ -1,6 +1,5 @@
 """eagle_jax.visualize: the traced step is the step speculative decoding takes, and it draws."""
 
-import numpy as np
 import pytest
 
 import eagle_jax

@@ -122,14 +122,9 @@ def main(argv=None) -> int:
 
     if args.distributed or os.environ.get("TPU_WORKER_HOSTNAMES") or os.environ.get("COORDINATOR_ADDRESS"):
         jax.distributed.initialize()
-    import numpy as np
-
     import eagle_jax
-    from eagle_jax.draft import DraftConfig, DraftHead
     from eagle_jax.train import data
-    from eagle_jax.train.features import build_draft_vocab, write_offline
-    from eagle_jax.train.trainer import Checkpointer, OptimConfig, Trainer, export
-    from flax import nnx
+    from eagle_jax.train.trainer import Checkpointer, OptimConfig, Trainer, export, init_head
 
     base = Path(args.recipe).resolve().parent.parent  # recipes live in <repo>/train/
     out = Path(recipe["train"].get("out_dir", "runs/default"))
@@ -158,33 +153,19 @@ def main(argv=None) -> int:
           f"{sum(int(m.sum()) for _, m in train_rows)} answer tokens ({time.perf_counter() - t0:.0f}s)", flush=True)
 
     h = recipe["head"]
-    kind = h.get("kind", "eagle3")
-    cfg = DraftConfig.for_target(target.cfg, kind, h.get("draft_vocab_size"))
-    head = DraftHead(cfg, rngs=nnx.Rngs(int(h.get("seed", 0))), dtype=target.model.dtype)
-    if h.get("init_from"):  # continue from an exported head (its weights and draft vocabulary)
-        from eagle_jax.draft import load_draft
-
-        p = Path(h["init_from"])
-        head = load_draft(p if p.is_absolute() else base / p, target.cfg, dtype=target.model.dtype)
-        if (head.cfg.kind, head.cfg.draft_vocab_size, head.cfg.aux_layers) != (kind, cfg.draft_vocab_size,
-                                                                                cfg.aux_layers):
-            print(f"error: {args.recipe}: head.init_from {h['init_from']} is a {head.cfg.kind} head with draft "
-                  f"vocabulary {head.cfg.draft_vocab_size}; the recipe asks for {kind} / {cfg.draft_vocab_size}",
-                  file=sys.stderr)
-            return 2
-        print(f"[head] initialised from {p}", flush=True)
-    elif kind == "eagle3":
-        d2t, _ = build_draft_vocab(train_rows, cfg.vocab_size, cfg.draft_vocab_size, always=target.eos_token_ids)
-        head.d2t[...] = np.asarray(d2t, np.int32)
-    if h.get("init_from_target_layer") and not h.get("init_from"):
-        top = target.model.layers[target.cfg.num_layers - 1]
-        for name in ("wo", "w_gate", "w_up", "w_down"):
-            getattr(head, name)[...] = getattr(top, name)[...]
-        head.post_norm[...] = top.mlp_norm[...]
-        if kind == "eagle3":  # the draft lm_head starts as the target's rows for the draft vocabulary
-            keep = np.arange(cfg.draft_vocab_size) + np.asarray(head.d2t[...])
-            head.lm_head[...] = np.asarray(target.model.lm_head_weight())[:, keep]
-            head.norm[...] = target.model.final_norm[...]
+    init_from = None
+    if h.get("init_from"):
+        init_from = Path(h["init_from"])
+        init_from = init_from if init_from.is_absolute() else base / init_from
+    try:
+        head = init_head(target, h.get("kind", "eagle3"), h.get("draft_vocab_size"), train_rows,
+                         init_from=init_from, init_from_target_layer=bool(h.get("init_from_target_layer")),
+                         seed=int(h.get("seed", 0)))
+    except ValueError as e:
+        print(f"error: {args.recipe}: head.init_from: {e}", file=sys.stderr)
+        return 2
+    if init_from is not None:
+        print(f"[head] initialised from {init_from}", flush=True)
     tcfg = {k: v for k, v in recipe["train"].items() if k != "out_dir"}
     if args.steps:
         tcfg["steps"] = args.steps
@@ -198,9 +179,8 @@ def main(argv=None) -> int:
     if ckpt.restore_latest(trainer):
         print(f"[train] resumed at step {trainer.step} (data position {trainer.data_pos})", flush=True)
     feat_dir = None
-    if d.get("features", "online") == "offline":
+    if d.get("features", "online") == "offline":  # computed on first use, then read back
         feat_dir = Path(d.get("features_dir", out / "features"))
-        write_offline(trainer.extractor, train_rows, ocfg.batch_size, ocfg.seq_len, feat_dir, ocfg.seq_bucket)
         print(f"[features] offline features in {feat_dir}", flush=True)
     log = open(out / "metrics.jsonl", "a")
 

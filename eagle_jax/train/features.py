@@ -5,8 +5,9 @@ real tokens, `loss_mask` the answer tokens). The target's features for a batch a
   * `hidden` [B, T, H]: the final normed hidden state (EAGLE-1's regression target and the input
     from which the target's next-token distribution is recomputed through its lm_head), and
   * `aux` [B, T, 3H]: the residual stream after the low / middle / high layers (EAGLE-3's input).
-Online mode computes them inside the training loop; offline mode writes them to disk once
-(`write_offline`) and streams them back (`read_offline`). Both give bit-identical batches.
+Online mode computes them inside the training loop; offline mode writes each batch's features to
+disk the first time it is used (`cached_feature_batches`; `write_offline` precomputes them all) and
+reads them back afterwards. Both give bit-identical batches.
 """
 
 from __future__ import annotations
@@ -88,16 +89,32 @@ def group_by_length(rows, batch_size: int, seed: int = 0) -> list:
     return [rows[i] for b in batches for i in b]
 
 
-def write_offline(extractor: FeatureExtractor, rows, batch_size: int, seq_len: int, out_dir,
-                  seq_bucket: int = 0) -> int:
-    """Precomputes every batch's features to out_dir (resumable: finished batches are kept)."""
+def _index(rows, batch_size: int, seq_len: int, seq_bucket: int) -> dict:
+    n = -(-len(rows) // batch_size)
+    return {"batches": n, "batch_size": batch_size, "seq_len": seq_len, "seq_bucket": seq_bucket, "rows": len(rows)}
+
+
+def cached_feature_batches(extractor: FeatureExtractor, rows, batch_size: int, seq_len: int, out_dir,
+                           seq_bucket: int = 0, start_batch: int = 0) -> Iterator[Batch]:
+    """Batches with the target's features, from batch `start_batch` on: read from out_dir when a batch
+    was computed before, else computed by the target and written there (the first epoch pays for the
+    target's forward passes, later epochs and resumed runs read them back). The directory is tied to
+    the rows and batch shapes; another layout is an error naming the directory."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    n = 0
-    for i, (_, batch) in enumerate(token_batches(rows, batch_size, seq_len, seq_bucket=seq_bucket)):
+    want = _index(rows, batch_size, seq_len, seq_bucket)
+    index = out / "index.json"
+    if index.exists():
+        have = json.loads(index.read_text())
+        if {k: have.get(k, want[k]) for k in want} != want:
+            raise ValueError(f"{out}: offline features were written for {have}, not {want}; use a new features_dir")
+    index.write_text(json.dumps(want))
+    batches = token_batches(rows, batch_size, seq_len, start=start_batch * batch_size, seq_bucket=seq_bucket)
+    for i, (_, batch) in enumerate(batches, start_batch):
         path = out / f"batch-{i:06d}.npz"
-        n += 1
         if path.exists():
+            with np.load(path) as z:
+                yield Batch(z["tokens"], z["loss_mask"], z["valid"], z["hidden"], z["aux"] if "aux" in z else None)
             continue
         b = extractor(batch)
         arrays = {"tokens": b.tokens, "loss_mask": b.loss_mask, "valid": b.valid, "hidden": b.hidden}
@@ -105,8 +122,16 @@ def write_offline(extractor: FeatureExtractor, rows, batch_size: int, seq_len: i
             arrays["aux"] = b.aux
         tmp = out / f"batch-{i:06d}.tmp.npz"
         np.savez(tmp, **arrays)
-        os.replace(tmp, path)
-    (out / "index.json").write_text(json.dumps({"batches": n, "batch_size": batch_size, "seq_len": seq_len}))
+        os.replace(tmp, path)  # a batch file exists only once complete
+        yield b
+
+
+def write_offline(extractor: FeatureExtractor, rows, batch_size: int, seq_len: int, out_dir,
+                  seq_bucket: int = 0) -> int:
+    """Precomputes every batch's features to out_dir (resumable: finished batches are kept)."""
+    n = 0
+    for _ in cached_feature_batches(extractor, rows, batch_size, seq_len, out_dir, seq_bucket):
+        n += 1
     return n
 
 

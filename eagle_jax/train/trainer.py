@@ -10,11 +10,9 @@ run reads the same batches and draws the same noise as an uninterrupted one.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -160,10 +158,11 @@ class Trainer:
             yield from token_batches(rows, bs, self.cfg.seq_len, start=self.data_pos,
                                      seq_bucket=self.cfg.seq_bucket)
             return
-        from eagle_jax.train.features import read_offline
+        from eagle_jax.train.features import cached_feature_batches
 
         first = self.data_pos // bs
-        for i, b in enumerate(read_offline(features_dir, first)):
+        for i, b in enumerate(cached_feature_batches(self.extractor, rows, bs, self.cfg.seq_len, features_dir,
+                                                     self.cfg.seq_bucket, first)):
             yield min((first + i + 1) * bs, len(rows)), b
 
     def train(self, rows, steps: int | None = None, eval_rows=None, checkpointer=None,
@@ -171,8 +170,8 @@ class Trainer:
               features_dir=None) -> list[dict]:
         """Runs until `steps` (default cfg.steps); cycles over `rows` in order, resuming at data_pos.
 
-        With features_dir (written by `features.write_offline` for the same rows, batch size and
-        sequence length) the target features are streamed from disk instead of computed.
+        With features_dir the target's features of each batch are computed once, written there and
+        read back in later epochs (`features.cached_feature_batches`).
         """
         cfg = self.cfg
         steps = steps or cfg.steps
@@ -259,3 +258,41 @@ class Checkpointer:
 
 def export(trainer: Trainer, path, dtype="float32") -> Path:
     return save_draft(trainer.head(), path, dtype=dtype)
+
+
+def init_head(target, kind: str = "eagle3", draft_vocab_size: int | None = None, train_rows=(), *,
+              init_from=None, init_from_target_layer: bool = False, seed: int = 0) -> DraftHead:
+    """A draft head to train for `target`.
+
+    * init_from: continue from an exported head directory (its weights and draft vocabulary); its kind
+      and draft vocabulary size must match (ValueError naming both otherwise).
+    * else a fresh head (seed); for EAGLE-3 the draft vocabulary is the most frequent answer tokens of
+      `train_rows` (plus EOS), and with init_from_target_layer its decoder layer's output projection,
+      MLP and norm copy the target's top layer, its lm_head the target's rows for the draft vocabulary
+      and its final norm the target's (a head that starts close to the target's last layer).
+    """
+    from eagle_jax.draft import DraftConfig, load_draft
+    from eagle_jax.train.features import build_draft_vocab
+
+    cfg = DraftConfig.for_target(target.cfg, kind, draft_vocab_size)
+    if init_from is not None:
+        head = load_draft(init_from, target.cfg, dtype=target.model.dtype)
+        if (head.cfg.kind, head.cfg.draft_vocab_size, head.cfg.aux_layers) != (kind, cfg.draft_vocab_size,
+                                                                                cfg.aux_layers):
+            raise ValueError(f"{init_from} is a {head.cfg.kind} head with draft vocabulary "
+                             f"{head.cfg.draft_vocab_size}; asked for {kind} / {cfg.draft_vocab_size}")
+        return head
+    head = DraftHead(cfg, rngs=nnx.Rngs(seed), dtype=target.model.dtype)
+    if kind == "eagle3":
+        d2t, _ = build_draft_vocab(train_rows, cfg.vocab_size, cfg.draft_vocab_size, always=target.eos_token_ids)
+        head.d2t[...] = np.asarray(d2t, np.int32)
+    if init_from_target_layer:
+        top = target.model.layers[target.cfg.num_layers - 1]
+        for name in ("wo", "w_gate", "w_up", "w_down"):
+            getattr(head, name)[...] = getattr(top, name)[...]
+        head.post_norm[...] = top.mlp_norm[...]
+        if kind == "eagle3":
+            keep = np.arange(cfg.draft_vocab_size) + np.asarray(head.d2t[...])
+            head.lm_head[...] = np.asarray(target.model.lm_head_weight())[:, keep]
+            head.norm[...] = target.model.final_norm[...]
+    return head
