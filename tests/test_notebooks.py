@@ -30,10 +30,11 @@ def test_notebook_runs_in_smoke_configuration(path, tmp_path, monkeypatch):
 
     monkeypatch.setenv("EAGLE_JAX_SMOKE", "1")
     monkeypatch.setenv("EAGLE_JAX_WORKDIR", str(tmp_path / "work"))
-    monkeypatch.setenv("MPLBACKEND", "Agg")
     nb = nbformat.read(path, as_version=4)
     t0 = time.perf_counter()
     NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors
+    images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
+    assert len(images) >= 1, "the notebook's figures were not drawn"
     print(f"{path.name}: {time.perf_counter() - t0:.0f} s")
