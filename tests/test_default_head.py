@@ -1,8 +1,6 @@
 """The shipped EAGLE-3 head for SmolLM2-135M-Instruct: loads by name, is lossless, keeps its acceptance."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -45,16 +43,3 @@ def test_shipped_head_acceptance_does_not_regress(target, head):
     # The shipped head measured tau 1.65 here (histogram [206, 121, 44, 13, 1]) after 470 CPU training
     # steps; this guards that level. Issue 5's goal for this test, tau >= 2.5, needs more training.
     assert spec.stats["tau"] >= 1.6, spec.stats["accept_histogram"]
-
-
-def test_bench_cli_with_the_shipped_head(tmp_path):
-    out_json = tmp_path / "bench.json"
-    out = subprocess.run(
-        [sys.executable, "-m", "eagle_jax.bench", "--no-progress", "--draft", "default", "--dataset", "mt_bench",
-         "--limit", "2", "--max-new-tokens", "48", "--json", str(out_json)],
-        capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    (r,) = json.loads(out_json.read_text())["results"]
-    assert r["dataset"] == "mt_bench" and r["prompts"] == 2 and r["batch_size"] == 1 and r["temperature"] == 0
-    assert r["greedy_identical"] is True
-    assert r["tau"] > 1.0 and sum(r["accept_histogram"]) > 0

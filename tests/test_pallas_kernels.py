@@ -268,8 +268,10 @@ def test_kernels_lower_for_their_hardware_at_serving_shapes(n, g, d):
 
 def test_benchmark_smoke_run_writes_a_table_and_json(tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tree_attention_kernels.py"), "--smoke",
-                           "--json", str(out)], capture_output=True, text=True, timeout=300, cwd=ROOT,
+    from doc_commands import argv, doc_command
+
+    cmd = argv(doc_command("python benchmarks/tree_attention_kernels.py"), "--json", str(out))  # the README's
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())

@@ -63,50 +63,12 @@ def test_settings_the_model_cannot_serve_are_errors():
         create_app(tiny, None, ServeConfig(max_model_len=100_000, warmup=False))
 
 
-def _start_server(args, log):
-    proc = subprocess.Popen([sys.executable, "-m", "eagle_jax.serve", "--port", "0", "--json", *args],
-                            stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT)
-    for line in proc.stdout:
-        if line.startswith("{"):
-            return proc, json.loads(line)
-    proc.wait(10)
-    log.seek(0)
-    raise AssertionError(f"server exited with {proc.returncode}:\n{log.read()[-3000:]}")
-
-
-@pytest.mark.slow
-def test_real_smollm2_server_with_a_random_head_answers_the_openai_client_like_plain_greedy(tmp_path):
-    openai = pytest.importorskip("openai")
-    import eagle_jax
-
-    with open(tmp_path / "server.log", "w+") as log:
-        proc, ready = _start_server(["--draft", "random", "--max-batch", "1", "--max-model-len", "256",
-                                     "--candidates", "off", "3,1,4", "--profile-dir", str(tmp_path / "profiles"),
-                                     "--profile-reps", "2", "--compile-cache", "", "--no-warmup", "--api-key", "k1"], log)
-        try:
-            assert ready["model"] == "smollm2-135m-instruct" and ready["auth"] and ready["speculation"] == "auto"
-            target = eagle_jax.load_target("smollm2-135m-instruct")
-            messages = [{"role": "user", "content": "Name three primary colours."}]
-            want = eagle_jax.generate(target, [messages], max_new_tokens=24)
-            client = openai.OpenAI(base_url=ready["url"] + "/v1", api_key="k1", max_retries=0, timeout=300)
-            r = client.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=24,
-                                               temperature=0)
-            assert r.choices[0].message.content == want.texts[0]
-            assert r.usage.completion_tokens == len(want.token_ids[0])
-            streamed = client.chat.completions.create(model="smollm2-135m-instruct", messages=messages,
-                                                      max_tokens=24, temperature=0, stream=True)
-            assert "".join(c.choices[0].delta.content or "" for c in streamed) == want.texts[0]
-            with pytest.raises(openai.AuthenticationError):
-                openai.OpenAI(base_url=ready["url"] + "/v1", api_key="nope", max_retries=0).models.list()
-            assert list((tmp_path / "profiles").glob("*.json"))  # the harness profiled this machine
-        finally:
-            proc.terminate()
-            proc.wait(30)
-
-
 def test_load_test_script_runs_every_mode_in_smoke_mode(tmp_path):
     out = tmp_path / "serve_load.json"
-    run = subprocess.run([sys.executable, "benchmarks/serve_load.py", "--smoke", "--json", str(out)],
+    from doc_commands import argv, doc_command
+
+    # serve/README's measurement command, shrunk by --smoke (a tiny model, concurrency 1 and 2).
+    run = subprocess.run(argv(doc_command("python benchmarks/serve_load.py"), "--smoke", "--json", str(out)),
                          capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())

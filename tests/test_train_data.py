@@ -61,9 +61,9 @@ def test_shards_hold_prompt_plus_target_answer_and_resume_exactly(tiny_with_real
     settings = data.GenerationSettings(max_new_tokens=6, temperature=0.9, batch_size=3, shard_size=4, seed=5)
     full = data.generate_dataset(tgt, prompts, tmp_path / "full", settings)
     assert full["done"] == 10 and len(full["shards"]) == 3
-    # Interrupted after one shard, then resumed: identical content.
+    # Stopped at limit=5 (the last shard short), then extended to all prompts: identical content.
     part = data.generate_dataset(tgt, prompts, tmp_path / "resumed", settings, limit=5)
-    assert part["done"] == 4
+    assert part["done"] == 5 and len(part["shards"]) == 2  # a short last shard
     data.generate_dataset(tgt, prompts, tmp_path / "resumed", settings)
     a, b = data.read_dataset(tmp_path / "full"), data.read_dataset(tmp_path / "resumed")
     assert len(a) == len(b) == 10

@@ -107,6 +107,9 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", required=True, help="TOML recipe (see train/*.toml)")
     ap.add_argument("--steps", type=int, help="override train.steps")
+    ap.add_argument("--limit", type=int, help="override data.limit: answer (and train on) only the first N prompts")
+    ap.add_argument("--out-dir", help="override train.out_dir (checkpoints, metrics, the exported head)")
+    ap.add_argument("--init-from", help="override head.init_from: continue from this exported head directory")
     ap.add_argument("--distributed", action="store_true",
                     help="call jax.distributed.initialize() (multi-host TPU / GPU; auto-detected on TPU pods)")
     ap.add_argument("--json", action="store_true", help="print the final summary as JSON")
@@ -116,6 +119,12 @@ def main(argv=None) -> int:
     except RecipeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.limit is not None:
+        recipe["data"]["limit"] = args.limit
+    if args.out_dir:
+        recipe["train"]["out_dir"] = args.out_dir
+    if args.init_from:
+        recipe["head"]["init_from"] = str(Path(args.init_from).resolve())
 
     import jax
     import os
@@ -147,6 +156,8 @@ def main(argv=None) -> int:
     data.generate_dataset(target, prompts, data_dir, settings, limit=None if limit is None else int(limit),
                           progress=lambda n: print(f"[data] +{n} answers", flush=True))
     rows = data.read_dataset(data_dir)
+    if limit is not None:
+        rows = rows[: int(limit)]  # the data may hold more answers (a later stage's); this run uses the first
     n_hold = max(1, int(len(rows) * float(d.get("holdout", 0.1))))
     train_rows, eval_rows = rows[:-n_hold], rows[-n_hold:]
     print(f"[data] {len(train_rows)} train / {len(eval_rows)} held-out conversations, "

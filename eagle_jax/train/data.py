@@ -170,7 +170,7 @@ def generate_dataset(target, prompts: Sequence[str], out_dir, settings: Generati
                      limit: int | None = None, progress=None) -> dict:
     """Writes shards of (prompt + target answer) token ids to out_dir; resumable. Returns the manifest.
 
-    `limit` stops after that many prompts in total (used to simulate an interrupted run).
+    `limit` stops after that many prompts in total (raise it later to extend the data).
     """
     from eagle_jax.engine import _engine_for
     from eagle_jax.sampling import SamplingParams
@@ -197,9 +197,7 @@ def generate_dataset(target, prompts: Sequence[str], out_dir, settings: Generati
     end = len(prompts) if limit is None else min(limit, len(prompts))
     while manifest["done"] < end:
         start = manifest["done"]
-        stop = min(start + settings.shard_size, len(prompts))
-        if limit is not None and stop > end:
-            break  # only whole shards are written
+        stop = min(start + settings.shard_size, end)  # the last shard before `limit` may be short
         tokens, offsets, masks = [], [0], []
         for b0 in range(start, stop, settings.batch_size):
             batch = list(range(b0, min(b0 + settings.batch_size, stop)))
