@@ -26,7 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 
 import eagle_jax  # noqa: E402
 from eagle_jax.loader import resolve_draft  # noqa: E402

@@ -120,7 +120,6 @@ def main(argv=None):
     n_new = args.max_new_tokens
 
     import jax
-    import numpy as np
     import torch
     import transformers
     from transformers import AutoModelForCausalLM

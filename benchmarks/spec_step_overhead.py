@@ -133,7 +133,7 @@ def main(argv=None):
     print(f"{'config':<26} {'tok/s':>8} {'tau':>6} {'speedup':>8}  identical")
     for r in rows:
         print(f"{r['config']:<26} {r['tokens_per_s']:8.1f} {r['tau']:6.2f} {r.get('speedup', 1.0):8.2f}  {r['identical']}")
-    print(f"\none step at context 100 (median of 20):")
+    print("\none step at context 100 (median of 20):")
     for name, s in costs.items():
         print(f"  {name:<16} {s * 1e3:7.1f} ms  {s / plain_s:5.2f}x plain decode")
 

@@ -174,8 +174,6 @@ def _safetensor_index(directory: Path) -> dict[str, Path]:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise LoadError(f"{directory}: no *.safetensors files (and no model.safetensors.index.json)")
-    from safetensors import safe_open
-
     out = {}
     for f in files:
         with _open_safetensors(f) as handle:

@@ -1,6 +1,5 @@
 """Acceptance rule: greedy picks the argmax path; sampling emits exactly the target's distribution."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

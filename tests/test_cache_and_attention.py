@@ -1,6 +1,5 @@
 """KV cache pure functions and the reference tree attention against a naive per-query loop."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -2,7 +2,6 @@
 smoke configuration (EAGLE_JAX_SMOKE=1), failing on any cell error."""
 
 import json
-import os
 import time
 from pathlib import Path
 

@@ -6,7 +6,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import jax
@@ -16,7 +15,7 @@ import pytest
 
 import eagle_jax
 from eagle_jax.draft import load_draft, random_head
-from eagle_jax.train.trainer import Checkpointer, OptimConfig, Trainer, export
+from eagle_jax.train.trainer import OptimConfig, Trainer, export
 from test_decoding import TINY, tiny_target
 
 CFG = dataclasses.replace(TINY, num_layers=4)

@@ -1,6 +1,5 @@
 """Draft tree selection: connectivity, ancestor masks, depths, best-N against brute force."""
 
-import itertools
 
 import jax.numpy as jnp
 import numpy as np
