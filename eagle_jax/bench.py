@@ -199,25 +199,44 @@ def main(argv=None) -> int:
     print(f"wrote {args.json}")
     if args.plot:
         try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
+            plot_report(out, args.plot)
         except ImportError:
             print("error: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
             return 2
-        fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
-        labels = [f"{r['dataset']}\nB={r['batch_size']} T={r['temperature']}" for r in results]
-        axes[0].bar(labels, [r["speedup"] for r in results])
-        axes[0].axhline(1.0, color="gray", lw=1)
-        axes[0].set_ylabel("speedup vs plain")
-        axes[1].bar(labels, [r["tau"] for r in results], color="tab:orange")
-        axes[1].set_ylabel("tau (tokens / verify step)")
-        fig.tight_layout()
-        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(args.plot, dpi=120)
         print(f"wrote {args.plot}")
     return 0
+
+
+def plot_report(report: dict, path) -> None:
+    """Speedup and tau per result of a bench report (the JSON `main` writes), titled with the model,
+    draft, tree, machine and date."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = report["results"]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
+    labels = [f"{r['dataset']}\nB={r['batch_size']} T={r['temperature']:g}" for r in results]
+    bars = axes[0].bar(labels, [r["speedup"] for r in results])
+    axes[0].bar_label(bars, fmt="%.2f")
+    axes[0].axhline(1.0, color="gray", lw=1)
+    axes[0].set_ylabel("speedup vs plain decoding")
+    bars = axes[1].bar(labels, [r["tau"] for r in results], color="tab:orange")
+    axes[1].bar_label(bars, fmt="%.2f")
+    axes[1].set_ylabel("tau (tokens / verify step)")
+    for ax in axes:
+        ax.margins(y=0.12)
+    m = report.get("machine", {})
+    t = report.get("tree") or {}
+    tree = f"{t['depth']},{t['topk']},{t['tree_tokens']}" if isinstance(t, dict) and t else str(t)
+    fig.suptitle(f"{report.get('model')} + draft {report.get('draft')}, tree {tree}, "
+                 f"{report.get('max_new_tokens')} new tokens; {m.get('backend', '?')} ({m.get('cpus', '?')} CPUs), "
+                 f"jax {m.get('jax', '?')}, {str(report.get('date', ''))[:10]}", fontsize=9)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
