@@ -113,8 +113,7 @@ def cached_feature_batches(extractor: FeatureExtractor, rows, batch_size: int, s
     for i, (_, batch) in enumerate(batches, start_batch):
         path = out / f"batch-{i:06d}.npz"
         if path.exists():
-            with np.load(path) as z:
-                yield Batch(z["tokens"], z["loss_mask"], z["valid"], z["hidden"], z["aux"] if "aux" in z else None)
+            yield _read_batch(path)
             continue
         b = extractor(batch)
         arrays = {"tokens": b.tokens, "loss_mask": b.loss_mask, "valid": b.valid, "hidden": b.hidden}
@@ -129,18 +128,19 @@ def cached_feature_batches(extractor: FeatureExtractor, rows, batch_size: int, s
 def write_offline(extractor: FeatureExtractor, rows, batch_size: int, seq_len: int, out_dir,
                   seq_bucket: int = 0) -> int:
     """Precomputes every batch's features to out_dir (resumable: finished batches are kept)."""
-    n = 0
-    for _ in cached_feature_batches(extractor, rows, batch_size, seq_len, out_dir, seq_bucket):
-        n += 1
-    return n
+    return sum(1 for _ in cached_feature_batches(extractor, rows, batch_size, seq_len, out_dir, seq_bucket))
 
 
 def read_offline(out_dir, start_batch: int = 0) -> Iterator[Batch]:
     out = Path(out_dir)
     n = json.loads((out / "index.json").read_text())["batches"]
     for i in range(start_batch, n):
-        with np.load(out / f"batch-{i:06d}.npz") as z:
-            yield Batch(z["tokens"], z["loss_mask"], z["valid"], z["hidden"], z["aux"] if "aux" in z else None)
+        yield _read_batch(out / f"batch-{i:06d}.npz")
+
+
+def _read_batch(path) -> Batch:
+    with np.load(path) as z:
+        return Batch(z["tokens"], z["loss_mask"], z["valid"], z["hidden"], z["aux"] if "aux" in z else None)
 
 
 def build_draft_vocab(rows, vocab_size: int, draft_vocab_size: int, always=()) -> tuple[np.ndarray, np.ndarray]:
