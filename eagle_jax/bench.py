@@ -59,6 +59,8 @@ def load_dataset(name: str) -> list[str]:
 def _tree_arg(text: str):
     from eagle_jax.tree import TreeConfig
 
+    if text == "auto":
+        return text
     try:
         d, k, n = (int(x) for x in text.split(","))
     except ValueError:
@@ -82,7 +84,9 @@ def build_parser():
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, nargs="+", default=[1], help="one or more batch sizes")
     p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="one or more temperatures")
-    p.add_argument("--tree", type=_tree_arg, default=None, help="DEPTH,TOPK,TOKENS (default: the engine default)")
+    p.add_argument("--tree", type=_tree_arg, default=None,
+                   help="DEPTH,TOPK,TOKENS, or auto (the load-aware harness picks a tree or plain decoding each "
+                        "step from costs measured on this device; default: the engine default tree)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="results/bench.json", help="output JSON path (default: %(default)s)")
     p.add_argument("--plot", default=None, help="write a PNG of speedup and tau (needs matplotlib)")
@@ -112,7 +116,7 @@ def run_bench(target, draft, prompts, *, batch_size, temperature, max_new_tokens
         eagle_jax.generate(target, b, draft=draft, tree=tree, max_steps=2, **kw)
     plain_t = spec_t = 0.0
     plain_n = spec_n = 0
-    counts, identical = [], True
+    counts, identical, choices = [], True, {}
     start = time.perf_counter()
     for b in batches:
         p = eagle_jax.generate(target, b, **kw)
@@ -122,10 +126,12 @@ def run_bench(target, draft, prompts, *, batch_size, temperature, max_new_tokens
         plain_n += p.stats["generated_tokens"]
         spec_n += s.stats["generated_tokens"]
         counts += s.stats["accepted_per_step"]
+        for name, k in s.stats.get("choices", {}).items():  # tree="auto": the harness's choices
+            choices[name] = choices.get(name, 0) + k
         identical &= p.token_ids == s.token_ids
         if progress:
             progress(len(b))
-    depth = (tree.depth if tree else 4)
+    depth = tree.depth if hasattr(tree, "depth") else max(counts, default=1) - 1
     hist = np.bincount(np.asarray(counts, np.int64), minlength=depth + 2)[1:].tolist() if counts else []
     plain_tps, spec_tps = plain_n / plain_t, spec_n / spec_t
     return {
@@ -143,6 +149,7 @@ def run_bench(target, draft, prompts, *, batch_size, temperature, max_new_tokens
         "wall_s": time.perf_counter() - start,
         "plain_tokens": plain_n,
         "spec_tokens": spec_n,
+        **({"choices": choices} if choices else {}),
     }
 
 
@@ -177,7 +184,8 @@ def main(argv=None) -> int:
                 results.append({"dataset": name, **r})
     if bar:
         bar.close()
-    print(f"\n{args.model} + draft {args.draft}, tree {tree.depth},{tree.topk},{tree.tree_tokens}, "
+    tree_name = tree if isinstance(tree, str) else f"{tree.depth},{tree.topk},{tree.tree_tokens}"
+    print(f"\n{args.model} + draft {args.draft}, tree {tree_name}, "
           f"{args.max_new_tokens} new tokens, {jax.default_backend()}")
     print(f"{'dataset':<12} {'batch':>5} {'temp':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup':>8} "
           f"{'tau':>6}  identical")
@@ -188,7 +196,8 @@ def main(argv=None) -> int:
         "benchmark": "eagle_jax.bench",
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "model": args.model, "draft": args.draft,
-        "tree": {"depth": tree.depth, "topk": tree.topk, "tree_tokens": tree.tree_tokens},
+        "tree": tree if isinstance(tree, str) else {"depth": tree.depth, "topk": tree.topk,
+                                                    "tree_tokens": tree.tree_tokens},
         "max_new_tokens": args.max_new_tokens,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
                     "backend": jax.default_backend()},

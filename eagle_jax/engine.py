@@ -248,8 +248,10 @@ def generate(
     ignore_eos=True keeps generating past EOS tokens (every row gets exactly max_new_tokens unless a
     stop string ends it); meant for benchmarks.
     draft: an EAGLE head (`eagle_jax.load_draft` / `eagle_jax.draft.random_head`) turns on speculative
-    decoding with `tree` (a `TreeConfig`; default depth 4, top-k 4, 16 tree tokens). The output is the
-    same as without it: token for token when greedy, in distribution when sampling.
+    decoding with `tree`: a `TreeConfig` (default depth 4, top-k 4, 16 tree tokens), or "auto" (the
+    load-aware harness picks a tree or plain decoding every step from costs measured on this device,
+    so speculation that does not pay is switched off). The output is the same as without it: token
+    for token when greedy, in distribution when sampling.
     """
     if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
         prompts = [prompts]

@@ -177,20 +177,47 @@ class SpecEngine:
         self.target, self.head = target, head
         self.graphdef, self.state = nnx.split(target.model)
         self.head_graphdef, self.head_state = nnx.split(head)
+        self._profiles = {}  # (batch, cache length, profile dir) -> harness cost profile (tree="auto")
+        self.acceptance = None  # harness.AcceptanceStats shared by the tree="auto" calls of this engine
 
-    def generate(self, prompt_ids, *, max_new_tokens: int, params: SamplingParams, tree: TreeConfig,
-                 stop: Sequence[str] = (), on_token=None, ignore_eos: bool = False,
-                 max_steps: int | None = None) -> GenerationResult:
-        d = tree.depth
+    def generate(self, prompt_ids, *, max_new_tokens: int, params: SamplingParams, tree, stop: Sequence[str] = (),
+                 on_token=None, ignore_eos: bool = False, max_steps: int | None = None,
+                 profile_dir=None) -> GenerationResult:
+        """tree: a TreeConfig (every step drafts that tree) or "auto": every step the load-aware harness
+        (`eagle_jax.harness.Harness`, as in the server) picks a tree from its default candidates or no
+        speculation, from the step costs measured on this device for this batch and cache size (cached on
+        disk, see `harness.load_or_measure`; `profile_dir` overrides where) and the acceptance seen so
+        far. A plain step leaves that row's draft behind, so the harness stops drafting for it."""
+        from eagle_jax import harness
+
+        policy = None
+        if isinstance(tree, str):
+            if tree != "auto":
+                raise ValueError(f"tree must be a TreeConfig or 'auto', got {tree!r}")
+            trees = [t for t in map(harness.parse_candidate, harness.DEFAULT_CANDIDATES) if t is not None]
+            slack, extra = harness.tree_slack(trees), harness.draft_extra(trees)
+            max_depth = max(t.depth for t in trees)
+        else:
+            trees = [tree]
+            slack, extra = tree.tree_tokens + tree.depth, (tree.depth - 1) * tree.topk + tree.depth + 1
+            max_depth = tree.depth
         tokens, prompt_lens, params, s_len = prepare_batch(self.target.cfg, prompt_ids, max_new_tokens, params,
-                                                           slack=tree.tree_tokens + d)
+                                                           slack=slack)
         n, b, t = len(prompt_ids), tokens.shape[0], tokens.shape[1]
+        if isinstance(tree, str):
+            key = (b, s_len, str(profile_dir))
+            if key not in self._profiles:
+                self._profiles[key] = harness.load_or_measure(self.target, self.head, [b], [None] + trees, s_len,
+                                                              s_len + extra, cache_dir=profile_dir)
+            if self.acceptance is None:  # acceptance statistics carry over from call to call, as in a server
+                self.acceptance = harness.AcceptanceStats(max_depth)
+            policy = harness.Harness(trees, self._profiles[key], stats=self.acceptance)
         eos = () if ignore_eos else self.target.eos_token_ids
         rows = [StopChecker(self.target.tokenizer, eos, stop, max_new_tokens) for _ in range(n)]
 
         start = time.perf_counter()
         cache = self.target.model.init_cache(b, s_len)
-        dcache = self.head.init_cache(b, s_len + (d - 1) * tree.topk + d + 1)
+        dcache = self.head.init_cache(b, s_len + extra)
         st = spec_prefill(self.graphdef, self.state, self.head_graphdef, self.head_state, jnp.asarray(tokens),
                           jnp.asarray(prompt_lens), cache, dcache, params)
         root = np.asarray(st.root)
@@ -201,10 +228,21 @@ class SpecEngine:
                 on_token(r, int(root[r]))
         steps, counts = 1, []
         active = np.array([row.reason is None for row in rows] + [False] * (b - n))
+        synced = active.copy()  # rows whose draft is in step with the target (auto: plain steps break it)
         while active.any() and (max_steps is None or steps < max_steps):
-            st, emitted, count = spec_step(self.graphdef, self.state, self.head_graphdef, self.head_state, st,
-                                           params, jnp.asarray(active), tree)
+            step_tree = tree
+            if policy is not None:
+                step_tree = policy.choose(b, int(active.sum()), int((active & synced).sum())).tree
+            if step_tree is None:
+                st, emitted, count = verify_step(self.graphdef, self.state, st, params, jnp.asarray(active))
+            else:
+                st, emitted, count = spec_step(self.graphdef, self.state, self.head_graphdef, self.head_state, st,
+                                               params, jnp.asarray(active), step_tree)
             emitted, count = np.asarray(emitted), np.asarray(count)
+            if policy is not None:
+                policy.observe(step_tree, [int(count[r]) for r in range(b) if active[r] and synced[r]])
+                if step_tree is None:
+                    synced &= ~active
             steps += 1
             for r, row in enumerate(rows):
                 if not active[r]:
@@ -217,14 +255,16 @@ class SpecEngine:
                     if finished:
                         break
                 active[r] = row.reason is None
-        hist = np.bincount(np.asarray(counts, np.int64), minlength=d + 2)[1:].tolist() if counts else []
+        hist = np.bincount(np.asarray(counts, np.int64), minlength=max_depth + 2)[1:].tolist() if counts else []
+        extra_stats = {"tree": dataclasses.asdict(tree)} if policy is None else {
+            "tree": "auto", "choices": dict(policy.counts), "profile": policy.profile.source}
         return finish_result(
             rows, start, first_token_s, steps,
             tau=float(np.mean(counts)) if counts else 1.0,
             accepted_per_step=counts,
             accept_histogram=hist,  # hist[i] = verify steps that emitted i + 1 tokens
-            tree=dataclasses.asdict(tree),
             buckets={"batch": b, "prompt": t, "cache": s_len},
+            **extra_stats,
         )
 
 

@@ -53,3 +53,18 @@ def test_bench_reports_every_combination_and_checks_greedy_identity(tmp_path):
         assert r["greedy_identical"] is (True if r["temperature"] == 0 else None)
         assert r["tau"] >= 1.0 and sum(r["accept_histogram"]) > 0
     assert "speedup" in out.stdout and str(out_json) in out.stdout
+
+
+def test_run_bench_with_the_auto_tree_reports_the_harness_choices(tmp_path, monkeypatch):
+    from eagle_jax.bench import run_bench
+    from test_speculative import PROMPTS, oracle_pair
+
+    monkeypatch.setenv("EAGLE_JAX_CACHE", str(tmp_path))  # the cost profile is measured and cached here
+    tgt, head = oracle_pair()
+    import eagle_jax.engine as engine
+
+    monkeypatch.setattr(engine, "encode_prompts", lambda tok, prompts, chat: [list(p) for p in prompts])
+    r = run_bench(tgt, head, PROMPTS[:2], batch_size=1, temperature=0.0, max_new_tokens=12, tree="auto", seed=0)
+    assert r["greedy_identical"] is True and sum(r["choices"].values()) > 0
+    assert sum(r["accept_histogram"]) == sum(r["choices"].values())  # batch 1: one count per chosen step
+    assert list((tmp_path / "harness").glob("*.json"))

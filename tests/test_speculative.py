@@ -265,3 +265,61 @@ def test_switching_tree_configs_between_steps_needs_no_recompile_and_stays_lossl
         step += 1
     assert dict(engine.TRACE_COUNTS) == before
     assert [o[:30] for o in out] == plain
+
+
+# --- tree="auto": the harness picks a tree or a plain step every step ----------------------------------
+
+def _profile(tmp_path, tgt, head, b, s_len, extra, seconds):
+    """Writes a cost profile where the harness will find it (a synthetic one: the choice it forces is
+    the point, not this machine's numbers)."""
+    import json
+
+    from eagle_jax import harness
+
+    cands = [None] + [t for t in map(harness.parse_candidate, harness.DEFAULT_CANDIDATES) if t is not None]
+    names = [harness.candidate_name(t) for t in cands]
+    key = harness.profile_key(tgt, head, [b], names, s_len)
+    prof = harness.Profile(key, {b: {n: seconds(harness.parse_candidate(n)) for n in names}}, meta={})
+    (tmp_path / f"{key}.json").write_text(json.dumps(prof.to_json()))
+
+
+def test_auto_tree_is_lossless_and_follows_the_costs(tmp_path):
+    from eagle_jax import harness
+
+    tgt, head = oracle_pair()
+    prompts = [PROMPTS[0]]
+    plain = eagle_jax.generate(tgt, prompts, max_new_tokens=24, chat=False)
+    eng = speculative.SpecEngine(tgt, head)
+    params = engine.SamplingParams.make(1)
+    trees = [t for t in map(harness.parse_candidate, harness.DEFAULT_CANDIDATES) if t is not None]
+    _, _, _, s_len = engine.prepare_batch(tgt.cfg, [PROMPTS[0]], 24, params, slack=harness.tree_slack(trees))
+    extra = harness.draft_extra(trees)
+    # Verifying is free (an accelerator far from its limits): the harness drafts, and the oracle head's
+    # drafts are accepted, so tau is high.
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    _profile(flat, tgt, head, 1, s_len, extra, lambda t: 0.01)
+    r = eng.generate([PROMPTS[0]], max_new_tokens=24, params=params, tree="auto", profile_dir=flat)
+    assert r.token_ids == plain.token_ids
+    assert r.stats["tree"] == "auto" and r.stats["choices"].get("off", 0) == 0 and r.stats["tau"] > 2
+    # Every token verified costs a full step (a slow CPU): plain steps win and are chosen.
+    steep = tmp_path / "steep"
+    steep.mkdir()
+    eng2 = speculative.SpecEngine(tgt, head)
+    _profile(steep, tgt, head, 1, s_len, extra, lambda t: 0.01 * (1 if t is None else t.tree_tokens))
+    r = eng2.generate([PROMPTS[0]], max_new_tokens=24, params=params, tree="auto", profile_dir=steep)
+    assert r.token_ids == plain.token_ids
+    assert set(r.stats["choices"]) == {"off"} and r.stats["tau"] == 1.0
+    with pytest.raises(ValueError, match="'auto'"):
+        eng.generate([PROMPTS[0]], max_new_tokens=4, params=params, tree="sometimes")
+
+
+def test_auto_tree_measures_a_profile_when_none_is_cached(tmp_path):
+    tgt, head = oracle_pair()
+    batch = [PROMPTS[0], PROMPTS[1]]
+    plain = eagle_jax.generate(tgt, batch, max_new_tokens=12, chat=False)
+    r = speculative.SpecEngine(tgt, head).generate(
+        [list(p) for p in batch], max_new_tokens=12, params=engine.SamplingParams.make(2), tree="auto",
+        profile_dir=tmp_path)
+    assert r.token_ids == plain.token_ids and r.stats["profile"] == "measured"
+    assert len(list(tmp_path.glob("*.json"))) == 1  # cached for the next call
