@@ -226,28 +226,47 @@ class SpecEngine:
             row.push(int(root[r]))
             if on_token is not None:
                 on_token(r, int(root[r]))
-        steps, counts = 1, []
+        steps, counts, choices = 1, [], {}
         active = np.array([row.reason is None for row in rows] + [False] * (b - n))
         synced = active.copy()  # rows whose draft is in step with the target (auto: plain steps break it)
-        while active.any() and (max_steps is None or steps < max_steps):
+        dispatched = 1  # target forwards started (the prefill is the first)
+
+        def dispatch():
+            """Starts one step for the rows active now: (emitted, count, tree, rows in it, rows to observe)."""
+            nonlocal st, dispatched
             step_tree = tree
             if policy is not None:
                 step_tree = policy.choose(b, int(active.sum()), int((active & synced).sum())).tree
+            rows_in, observe_rows = active.copy(), active & synced
             if step_tree is None:
-                st, emitted, count = verify_step(self.graphdef, self.state, st, params, jnp.asarray(active))
+                st, emitted, count = verify_step(self.graphdef, self.state, st, params, jnp.asarray(rows_in))
+                synced[rows_in] = False
             else:
                 st, emitted, count = spec_step(self.graphdef, self.state, self.head_graphdef, self.head_state, st,
-                                               params, jnp.asarray(active), step_tree)
+                                               params, jnp.asarray(rows_in), step_tree)
+            dispatched += 1
+            return emitted, count, step_tree, rows_in, observe_rows
+
+        # Step i + 1 is dispatched before the host reads step i's tokens, so stop checks, streaming and the
+        # harness's bookkeeping overlap the device. A row that finishes in step i is still in step i + 1:
+        # its tokens there are dropped. The cache slack has room for that one extra tree, and sampling keys
+        # depend on positions only, so every kept token is what a step-by-step loop gives.
+        def can_step():
+            return active.any() and (max_steps is None or dispatched < max_steps)
+
+        pending = dispatch() if can_step() else None
+        while pending is not None and active.any():
+            emitted, count, step_tree, rows_in, observe_rows = pending
+            pending = dispatch() if can_step() else None
             emitted, count = np.asarray(emitted), np.asarray(count)
-            if policy is not None:
-                policy.observe(step_tree, [int(count[r]) for r in range(b) if active[r] and synced[r]])
-                if step_tree is None:
-                    synced &= ~active
             steps += 1
+            observed = []
             for r, row in enumerate(rows):
-                if not active[r]:
+                if not rows_in[r] or row.reason is not None:
                     continue
                 counts.append(int(count[r]))
+                if observe_rows[r]:
+                    observed.append(int(count[r]))
                 for j in range(int(count[r])):
                     finished = row.push(int(emitted[r, j]))
                     if on_token is not None:
@@ -255,9 +274,13 @@ class SpecEngine:
                     if finished:
                         break
                 active[r] = row.reason is None
+            if policy is not None:
+                policy.observe(step_tree, observed)
+                name = harness.candidate_name(step_tree)
+                choices[name] = choices.get(name, 0) + 1
         hist = np.bincount(np.asarray(counts, np.int64), minlength=max_depth + 2)[1:].tolist() if counts else []
         extra_stats = {"tree": dataclasses.asdict(tree)} if policy is None else {
-            "tree": "auto", "choices": dict(policy.counts), "profile": policy.profile.source}
+            "tree": "auto", "choices": choices, "profile": policy.profile.source}
         return finish_result(
             rows, start, first_token_s, steps,
             tau=float(np.mean(counts)) if counts else 1.0,
