@@ -44,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topk", type=int, default=tree.topk, help="children per expanded draft node (default: %(default)s)")
     p.add_argument("--tree-tokens", type=int, default=tree.tree_tokens,
                    help="tokens the target verifies per step, root included (default: %(default)s)")
+    p.add_argument("--auto-tree", action="store_true",
+                   help="let the load-aware harness pick, every step, a draft tree or plain decoding from step "
+                        "costs measured on this device (measured once, cached under ~/.cache/eagle_jax) and the "
+                        "acceptance seen so far, so speculation that does not pay is switched off; "
+                        "--depth/--topk/--tree-tokens are then unused")
     p.add_argument("--json", action="store_true", help="print one JSON object (texts, token ids, stats) instead of text")
     return p
 
@@ -63,7 +68,10 @@ def main(argv=None) -> int:
 
     try:
         draft = resolve_draft(args.draft, target)
-        tree = TreeConfig(depth=args.depth, topk=args.topk, tree_tokens=args.tree_tokens) if draft else None
+        tree = None
+        if draft is not None:
+            tree = "auto" if args.auto_tree else TreeConfig(depth=args.depth, topk=args.topk,
+                                                             tree_tokens=args.tree_tokens)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

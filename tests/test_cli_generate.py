@@ -1,6 +1,7 @@
 """`python -m eagle_jax.generate` as a user runs it."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -18,7 +19,7 @@ def test_help_documents_every_flag():
     out = _run("--help")
     assert out.returncode == 0
     for flag in ("--model", "--prompt", "--max-new-tokens", "--temperature", "--top-p", "--top-k", "--seed",
-                 "--stop", "--no-chat", "--json", "--draft", "--depth", "--topk", "--tree-tokens"):
+                 "--stop", "--no-chat", "--json", "--draft", "--depth", "--topk", "--tree-tokens", "--auto-tree"):
         assert flag in out.stdout
     assert "RuntimeWarning" not in out.stderr
 
@@ -49,7 +50,7 @@ def test_json_output_equals_the_library_result():
 
 
 @pytest.mark.slow
-def test_random_draft_from_the_cli_keeps_the_greedy_text():
+def test_random_draft_from_the_cli_keeps_the_greedy_text(tmp_path):
     plain = json.loads(_run("--prompt", "Name three colors.", "--max-new-tokens", "12", "--json").stdout)
     out = _run("--prompt", "Name three colors.", "--max-new-tokens", "12", "--json", "--draft", "random",
                "--depth", "3", "--topk", "2", "--tree-tokens", "6")
@@ -57,6 +58,17 @@ def test_random_draft_from_the_cli_keeps_the_greedy_text():
     spec = json.loads(out.stdout)
     assert spec["token_ids"] == plain["token_ids"]
     assert sum(spec["stats"]["accept_histogram"]) == len(spec["stats"]["accepted_per_step"])
+    # --auto-tree: the harness measures this device's step costs (into EAGLE_JAX_CACHE) and picks per step.
+    env = {**os.environ, "EAGLE_JAX_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "eagle_jax.generate", "--prompt", "Name three colors.",
+                          "--max-new-tokens", "12", "--json", "--draft", "random", "--auto-tree"],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr
+    auto = json.loads(out.stdout)
+    assert auto["token_ids"] == plain["token_ids"]
+    assert auto["stats"]["tree"] == "auto" and auto["stats"]["profile"] == "measured"
+    assert sum(auto["stats"]["choices"].values()) == auto["stats"]["steps"] - 1  # every step after the prefill
+    assert list((tmp_path / "harness").glob("*.json"))  # the profile is cached for the next run
 
 
 def test_bad_tree_flags_are_a_clear_error():
