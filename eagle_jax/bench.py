@@ -84,9 +84,10 @@ def build_parser():
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, nargs="+", default=[1], help="one or more batch sizes")
     p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="one or more temperatures")
-    p.add_argument("--tree", type=_tree_arg, default=None,
-                   help="DEPTH,TOPK,TOKENS, or auto (the load-aware harness picks a tree or plain decoding each "
-                        "step from costs measured on this device; default: the engine default tree)")
+    p.add_argument("--tree", type=_tree_arg, nargs="+", default=None,
+                   help="one or more of DEPTH,TOPK,TOKENS or auto (the load-aware harness picks a tree or plain "
+                        "decoding each step from costs measured on this device); every tree is timed against the "
+                        "same plain runs (default: the engine default tree)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="results/bench.json", help="output JSON path (default: %(default)s)")
     p.add_argument("--plot", default=None, help="write a PNG of speedup and tau (needs matplotlib)")
@@ -103,54 +104,71 @@ def resolve_draft(spec: str, target):
     return resolve_draft(spec, target)
 
 
+def tree_name(tree) -> str:
+    """"D,K,N" for a TreeConfig, "auto" for the harness."""
+    return tree if isinstance(tree, str) else f"{tree.depth},{tree.topk},{tree.tree_tokens}"
+
+
 def run_bench(target, draft, prompts, *, batch_size, temperature, max_new_tokens, tree, seed, progress=None):
+    """Plain vs speculative decoding on `prompts`; `tree` is one tree (returns one result) or a list of
+    trees (returns one result per tree, all against the same plain runs). Per batch of prompts the
+    plain run and each tree's run follow each other, so machine noise hits all of them alike."""
     import numpy as np
 
     import eagle_jax
 
+    trees = list(tree) if isinstance(tree, (list, tuple)) else [tree]
     batches = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     # Warm-up: compile every bucket both engines will use (same shapes as the timed run, 2 steps each).
     for b in batches:
         eagle_jax.generate(target, b, max_steps=2, **kw)
-        eagle_jax.generate(target, b, draft=draft, tree=tree, max_steps=2, **kw)
-    plain_t = spec_t = 0.0
-    plain_n = spec_n = 0
-    counts, identical, choices = [], True, {}
+        for t in trees:
+            eagle_jax.generate(target, b, draft=draft, tree=t, max_steps=2, **kw)
+    plain_t, plain_n = 0.0, 0
+    acc = [{"t": 0.0, "n": 0, "counts": [], "identical": True, "choices": {}} for _ in trees]
     start = time.perf_counter()
     for b in batches:
         p = eagle_jax.generate(target, b, **kw)
-        s = eagle_jax.generate(target, b, draft=draft, tree=tree, **kw)
         plain_t += p.stats["wall_s"]
-        spec_t += s.stats["wall_s"]
         plain_n += p.stats["generated_tokens"]
-        spec_n += s.stats["generated_tokens"]
-        counts += s.stats["accepted_per_step"]
-        for name, k in s.stats.get("choices", {}).items():  # tree="auto": the harness's choices
-            choices[name] = choices.get(name, 0) + k
-        identical &= p.token_ids == s.token_ids
+        for t, a in zip(trees, acc):
+            s = eagle_jax.generate(target, b, draft=draft, tree=t, **kw)
+            a["t"] += s.stats["wall_s"]
+            a["n"] += s.stats["generated_tokens"]
+            a["counts"] += s.stats["accepted_per_step"]
+            for name, k in s.stats.get("choices", {}).items():  # tree="auto": the harness's choices
+                a["choices"][name] = a["choices"].get(name, 0) + k
+            a["identical"] &= p.token_ids == s.token_ids
         if progress:
             progress(len(b))
-    depth = tree.depth if hasattr(tree, "depth") else max(counts, default=1) - 1
-    hist = np.bincount(np.asarray(counts, np.int64), minlength=depth + 2)[1:].tolist() if counts else []
-    plain_tps, spec_tps = plain_n / plain_t, spec_n / spec_t
-    return {
-        "batch_size": batch_size,
-        "temperature": temperature,
-        "prompts": len(prompts),
-        "plain_tokens_per_s": plain_tps,
-        "spec_tokens_per_s": spec_tps,
-        "speedup": spec_tps / plain_tps,
-        "tau": float(np.mean(counts)) if counts else 1.0,
-        "accept_histogram": hist,
-        "greedy_identical": bool(identical) if temperature == 0 else None,
-        "plain_wall_s": plain_t,
-        "spec_wall_s": spec_t,
-        "wall_s": time.perf_counter() - start,
-        "plain_tokens": plain_n,
-        "spec_tokens": spec_n,
-        **({"choices": choices} if choices else {}),
-    }
+    wall = time.perf_counter() - start
+    plain_tps = plain_n / plain_t
+    results = []
+    for t, a in zip(trees, acc):
+        counts = a["counts"]
+        depth = t.depth if hasattr(t, "depth") else max(counts, default=1) - 1
+        hist = np.bincount(np.asarray(counts, np.int64), minlength=depth + 2)[1:].tolist() if counts else []
+        spec_tps = a["n"] / a["t"]
+        results.append({
+            "batch_size": batch_size,
+            "temperature": temperature,
+            "tree": tree_name(t),
+            "prompts": len(prompts),
+            "plain_tokens_per_s": plain_tps,
+            "spec_tokens_per_s": spec_tps,
+            "speedup": spec_tps / plain_tps,
+            "tau": float(np.mean(counts)) if counts else 1.0,
+            "accept_histogram": hist,
+            "greedy_identical": bool(a["identical"]) if temperature == 0 else None,
+            "plain_wall_s": plain_t,
+            "spec_wall_s": a["t"],
+            "wall_s": wall,
+            "plain_tokens": plain_n,
+            "spec_tokens": a["n"],
+            **({"choices": a["choices"]} if a["choices"] else {}),
+        })
+    return results if isinstance(tree, (list, tuple)) else results[0]
 
 
 def main(argv=None) -> int:
@@ -167,7 +185,7 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    tree = args.tree or eagle_jax.TreeConfig()
+    trees = args.tree or [eagle_jax.TreeConfig()]
     total = sum(len(p) for p in data.values()) * len(args.batch_size) * len(args.temperature)
     bar = None
     if not args.no_progress:
@@ -178,26 +196,25 @@ def main(argv=None) -> int:
     for name, prompts in data.items():
         for bs in args.batch_size:
             for temp in args.temperature:
-                r = run_bench(target, draft, prompts, batch_size=bs, temperature=temp,
-                              max_new_tokens=args.max_new_tokens, tree=tree, seed=args.seed,
-                              progress=bar.update if bar else None)
-                results.append({"dataset": name, **r})
+                rs = run_bench(target, draft, prompts, batch_size=bs, temperature=temp,
+                               max_new_tokens=args.max_new_tokens, tree=trees, seed=args.seed,
+                               progress=bar.update if bar else None)
+                results += [{"dataset": name, **r} for r in rs]
     if bar:
         bar.close()
-    tree_name = tree if isinstance(tree, str) else f"{tree.depth},{tree.topk},{tree.tree_tokens}"
-    print(f"\n{args.model} + draft {args.draft}, tree {tree_name}, "
+    print(f"\n{args.model} + draft {args.draft}, tree {' '.join(map(tree_name, trees))}, "
           f"{args.max_new_tokens} new tokens, {jax.default_backend()}")
-    print(f"{'dataset':<12} {'batch':>5} {'temp':>5} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup':>8} "
-          f"{'tau':>6}  identical")
+    print(f"{'dataset':<12} {'batch':>5} {'temp':>5} {'tree':>7} {'plain tok/s':>12} {'spec tok/s':>11} "
+          f"{'speedup':>8} {'tau':>6}  identical")
     for r in results:
-        print(f"{r['dataset']:<12} {r['batch_size']:>5} {r['temperature']:>5} {r['plain_tokens_per_s']:12.1f} "
-              f"{r['spec_tokens_per_s']:11.1f} {r['speedup']:8.2f} {r['tau']:6.2f}  {r['greedy_identical']}")
+        print(f"{r['dataset']:<12} {r['batch_size']:>5} {r['temperature']:>5} {r['tree']:>7} "
+              f"{r['plain_tokens_per_s']:12.1f} {r['spec_tokens_per_s']:11.1f} {r['speedup']:8.2f} {r['tau']:6.2f}  "
+              f"{r['greedy_identical']}")
     out = {
         "benchmark": "eagle_jax.bench",
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "model": args.model, "draft": args.draft,
-        "tree": tree if isinstance(tree, str) else {"depth": tree.depth, "topk": tree.topk,
-                                                    "tree_tokens": tree.tree_tokens},
+        "trees": [tree_name(t) for t in trees],
         "max_new_tokens": args.max_new_tokens,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
                     "backend": jax.default_backend()},
@@ -225,8 +242,10 @@ def plot_report(report: dict, path) -> None:
     import matplotlib.pyplot as plt
 
     results = report["results"]
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
-    labels = [f"{r['dataset']}\nB={r['batch_size']} T={r['temperature']:g}" for r in results]
+    fig, axes = plt.subplots(1, 2, figsize=(max(9.0, 1.6 * len(results)), 4.2))
+    several = len({r.get("tree") for r in results}) > 1
+    labels = [f"{r['dataset']}\nB={r['batch_size']} T={r['temperature']:g}" + (f"\n{r['tree']}" if several else "")
+              for r in results]
     bars = axes[0].bar(labels, [r["speedup"] for r in results])
     axes[0].bar_label(bars, fmt="%.2f")
     axes[0].axhline(1.0, color="gray", lw=1)
@@ -237,8 +256,9 @@ def plot_report(report: dict, path) -> None:
     for ax in axes:
         ax.margins(y=0.12)
     m = report.get("machine", {})
-    t = report.get("tree") or {}
-    tree = f"{t['depth']},{t['topk']},{t['tree_tokens']}" if isinstance(t, dict) and t else str(t)
+    t = report.get("trees") or report.get("tree") or {}  # "tree": reports written before multi-tree runs
+    tree = (f"{t['depth']},{t['topk']},{t['tree_tokens']}" if isinstance(t, dict) and t
+            else " ".join(t) if isinstance(t, list) else str(t))
     fig.suptitle(f"{report.get('model')} + draft {report.get('draft')}, tree {tree}, "
                  f"{report.get('max_new_tokens')} new tokens; {m.get('backend', '?')} ({m.get('cpus', '?')} CPUs), "
                  f"jax {m.get('jax', '?')}, {str(report.get('date', ''))[:10]}", fontsize=9)

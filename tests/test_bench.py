@@ -1,6 +1,7 @@
 """`python -m eagle_jax.bench`: datasets, the JSON report, errors."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -12,9 +13,9 @@ REQUIRED = {"dataset", "batch_size", "temperature", "prompts", "plain_tokens_per
             "tau", "accept_histogram", "greedy_identical"}
 
 
-def _run(*args):
+def _run(*args, env=None):
     return subprocess.run([sys.executable, "-m", "eagle_jax.bench", "--no-progress", *args], capture_output=True,
-                          text=True, timeout=900)
+                          text=True, timeout=900, env=env)
 
 
 def test_builtin_datasets_and_jsonl(tmp_path):
@@ -41,11 +42,18 @@ def test_bench_reports_every_combination_and_checks_greedy_identity(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "Name a fruit."}\n{"prompt": "Say hi."}\n{"prompt": "Count to three."}\n')
     out_json = tmp_path / "bench.json"
+    env = {**os.environ, "EAGLE_JAX_CACHE": str(tmp_path)}  # tree auto measures its cost profile here
     out = _run("--dataset", str(f), "--max-new-tokens", "8", "--batch-size", "1", "2", "--temperature", "0", "0.8",
-               "--tree", "2,2,4", "--json", str(out_json))
+               "--tree", "2,2,4", "auto", "--json", str(out_json), "--plot", str(tmp_path / "b.png"), env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out_json.read_text())
-    assert len(report["results"]) == 4
+    assert report["trees"] == ["2,2,4", "auto"]
+    assert len(report["results"]) == 8  # batch sizes x temperatures x trees
+    assert [r["tree"] for r in report["results"]] == ["2,2,4", "auto"] * 4
+    for fixed, auto in zip(report["results"][::2], report["results"][1::2]):  # both against the same plain runs
+        assert fixed["plain_tokens_per_s"] == auto["plain_tokens_per_s"]
+        assert sum(auto["choices"].values()) > 0 and "choices" not in fixed
+    assert (tmp_path / "b.png").stat().st_size > 10_000
     for r in report["results"]:
         assert REQUIRED <= set(r)
         assert r["prompts"] == 3 and r["plain_tokens_per_s"] > 0 and r["spec_tokens_per_s"] > 0
