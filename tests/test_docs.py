@@ -151,14 +151,16 @@ def test_generate_commands():
 
 
 @pytest.mark.slow
-def test_bench_command_with_the_shipped_head(tmp_path):
+def test_bench_command_with_the_shipped_head(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLE_JAX_CACHE", str(tmp_path))  # --tree auto measures its cost profile here
     cmd = doc_command("python -m eagle_jax.bench")
     assert "--draft" not in cmd  # the documented run uses the default: the shipped head
     run(cmd, "--limit", "1", "--max-new-tokens", "24", "--temperature", "0", "--no-progress",
         "--json", str(tmp_path / "bench.json"), "--plot", str(tmp_path / "bench.png"))
     report = json.loads((tmp_path / "bench.json").read_text())
-    rows = {r["dataset"]: r for r in report["results"]}
-    assert set(rows) == {"mt_bench", "humaneval"}
+    rows = {(r["dataset"], r["tree"]): r for r in report["results"]}
+    assert set(rows) == {(d, t) for d in ("mt_bench", "humaneval") for t in report["trees"]}
+    assert "auto" in report["trees"] and len(report["trees"]) == 2  # a fixed tree and the harness
     for r in rows.values():
         assert r["prompts"] == 1 and r["batch_size"] == 1 and r["temperature"] == 0
         assert r["greedy_identical"] is True and r["tau"] >= 1.0 and sum(r["accept_histogram"]) > 0
