@@ -235,3 +235,22 @@ def test_length_buckets_trim_padding_without_changing_the_metrics(setup):
     fixed = Trainer(tgt, head, OptimConfig(batch_size=8, seq_len=32, ttt_length=2)).evaluate(grouped)
     bucketed = Trainer(tgt, head, OptimConfig(batch_size=8, seq_len=32, ttt_length=2, seq_bucket=8)).evaluate(grouped)
     np.testing.assert_allclose(bucketed, fixed, rtol=1e-5)
+
+
+def test_decay_steps_sets_the_schedule_so_a_run_can_stop_early_and_be_extended():
+    from eagle_jax.train.trainer import OptimConfig, make_optimizer
+
+    def updates(cfg, n):
+        opt = make_optimizer(cfg)
+        params = {"w": jnp.ones((3,))}
+        state, out = opt.init(params), []
+        for _ in range(n):
+            u, state = opt.update({"w": jnp.full((3,), 0.1)}, state, params)
+            out.append(float(u["w"][0]))
+        return np.array(out)
+
+    full = updates(OptimConfig(steps=40, lr=1e-2, warmup_steps=5), 20)
+    early = updates(OptimConfig(steps=20, decay_steps=40, lr=1e-2, warmup_steps=5), 20)
+    short = updates(OptimConfig(steps=20, lr=1e-2, warmup_steps=5), 20)
+    np.testing.assert_allclose(early, full, rtol=1e-6)  # stopping at 20 of a 40-step schedule
+    assert abs(short[-1]) < 0.5 * abs(full[-1])  # a 20-step schedule has decayed much further by then

@@ -31,6 +31,8 @@ class OptimConfig:
     steps: int = 1000
     lr: float = 1e-4
     warmup_steps: int = 50
+    decay_steps: int = 0  # length of the warmup + cosine schedule; 0: `steps`. Set it to stop a run early
+    # (steps < decay_steps) on the same schedule, and to extend it later by raising `steps` and resuming.
     weight_decay: float = 0.0
     grad_clip: float = 0.5
     grad_accum: int = 1
@@ -54,7 +56,7 @@ class OptimConfig:
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=cfg.lr, warmup_steps=max(cfg.warmup_steps, 1),
-        decay_steps=max(cfg.steps, cfg.warmup_steps + 1), end_value=cfg.lr * 0.1)
+        decay_steps=max(cfg.decay_steps or cfg.steps, cfg.warmup_steps + 1), end_value=cfg.lr * 0.1)
     opt = optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay))
     return optax.MultiSteps(opt, every_k_schedule=cfg.grad_accum) if cfg.grad_accum > 1 else opt
