@@ -35,8 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="EAGLE draft head: 'none' for plain decoding, 'default' (the head shipped for --model; "
                         "an error if none), 'auto' (the shipped head if there is one, else plain decoding), a head "
                         "directory (official EAGLE / EAGLE-3 layout) or 'random' (an untrained EAGLE-3 head: same "
-                        "output, not faster) (default: %(default)s; the shipped SmolLM2 head is still too weak "
-                        "to be faster on CPU, see train/README.md)")
+                        "output, not faster) (default: %(default)s; on CPU the shipped SmolLM2 head is about as "
+                        "fast as plain decoding with a fixed tree, see README.md; --auto-tree speculates only where "
+                        "it pays)")
     from eagle_jax.tree import TreeConfig
 
     tree = TreeConfig()

@@ -131,6 +131,7 @@ def profile_key(target, head, buckets: Sequence[int], candidates: Sequence[str],
         "model": target.name, "model_cfg": repr(target.cfg), "model_dtype": str(target.model.dtype),
         "head_cfg": None if head is None else repr(head.cfg), "head_dtype": None if head is None else str(head.dtype),
         "buckets": list(buckets), "candidates": list(candidates), "cache_len": int(cache_len),
+        "method": 2,  # bumped when the measurement changes (2: interleaved rounds), so old caches are remeasured
     }
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", target.name)[:40]
@@ -143,7 +144,7 @@ def default_cache_dir() -> Path:
 
 
 def measure_profile(target, head, buckets: Sequence[int], candidates: Sequence[TreeConfig | None], cache_len: int,
-                    draft_len: int, reps: int = 5, context: int | None = None) -> dict[int, dict[str, float]]:
+                    draft_len: int, reps: int = 9, context: int | None = None) -> dict[int, dict[str, float]]:
     """Median seconds of one step per (bucket, candidate), rows filled to `context` tokens (greedy)."""
     from flax import nnx
 
@@ -158,37 +159,41 @@ def measure_profile(target, head, buckets: Sequence[int], candidates: Sequence[T
         params = SamplingParams.make(b)
         active = jnp.ones((b,), bool)
         state = speculative.empty_state(target, head, b, cache_len, draft_len)
-        row = {}
         for tree in candidates:
             if tree is not None and head is None:
                 raise ValueError("speculation candidates need a draft head")
 
-            def step(s):
-                # Back to `ctx` committed tokens each time (separate arrays: both caches are donated).
-                s = speculative.SpecState(s.cache.replace(lengths=jnp.full((b,), ctx, jnp.int32)),
-                                          s.draft_cache.replace(lengths=jnp.full((b,), ctx, jnp.int32)),
-                                          s.root, s.root_hidden)
-                if tree is None:
-                    s, _, count = speculative.verify_step(g, st, s, params, active)
-                else:
-                    s, _, count = speculative.spec_step(g, st, hg, hs, s, params, active, tree)
-                count.block_until_ready()
-                return s
+        def step(s, tree):
+            # Back to `ctx` committed tokens each time (separate arrays: both caches are donated).
+            s = speculative.SpecState(s.cache.replace(lengths=jnp.full((b,), ctx, jnp.int32)),
+                                      s.draft_cache.replace(lengths=jnp.full((b,), ctx, jnp.int32)),
+                                      s.root, s.root_hidden)
+            if tree is None:
+                s, _, count = speculative.verify_step(g, st, s, params, active)
+            else:
+                s, _, count = speculative.spec_step(g, st, hg, hs, s, params, active, tree)
+            count.block_until_ready()
+            return s
 
-            state = step(step(state))  # compile, warm
-            times = []
-            for _ in range(reps):
+        for tree in candidates:
+            state = step(step(state, tree), tree)  # compile, warm
+        # Rounds over all candidates, so a burst of load from elsewhere on the machine inflates every
+        # candidate's time alike instead of one candidate's; the median over rounds drops the bursts.
+        times = {candidate_name(t): [] for t in candidates}
+        for _ in range(reps):
+            for tree in candidates:
                 t0 = time.perf_counter()
-                state = step(state)
-                times.append(time.perf_counter() - t0)
-            row[candidate_name(tree)] = float(np.median(times))
-            log.info("harness profile: batch %d %-10s %.2f ms", b, candidate_name(tree), row[candidate_name(tree)] * 1e3)
+                state = step(state, tree)
+                times[candidate_name(tree)].append(time.perf_counter() - t0)
+        row = {name: float(np.median(ts)) for name, ts in times.items()}
+        for name, sec in row.items():
+            log.info("harness profile: batch %d %-10s %.2f ms", b, name, sec * 1e3)
         out[int(b)] = row
     return out
 
 
 def load_or_measure(target, head, buckets: Sequence[int], candidates: Sequence[TreeConfig | None], cache_len: int,
-                    draft_len: int, *, cache_dir=None, reprofile: bool = False, reps: int = 5) -> Profile:
+                    draft_len: int, *, cache_dir=None, reprofile: bool = False, reps: int = 9) -> Profile:
     """The cached profile for this device + model + head + settings, measuring (and caching) it if needed."""
     names = [candidate_name(t) for t in candidates]
     key = profile_key(target, head, buckets, names, cache_len)
