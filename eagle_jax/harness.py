@@ -154,14 +154,13 @@ def measure_profile(target, head, buckets: Sequence[int], candidates: Sequence[T
     g, st = nnx.split(target.model)
     hg, hs = nnx.split(head) if head is not None else (None, None)
     ctx = int(context if context is not None else max(1, cache_len // 4))
+    if head is None and any(t is not None for t in candidates):
+        raise ValueError("speculation candidates need a draft head")
     out: dict[int, dict[str, float]] = {}
     for b in buckets:
         params = SamplingParams.make(b)
         active = jnp.ones((b,), bool)
         state = speculative.empty_state(target, head, b, cache_len, draft_len)
-        for tree in candidates:
-            if tree is not None and head is None:
-                raise ValueError("speculation candidates need a draft head")
 
         def step(s, tree):
             # Back to `ctx` committed tokens each time (separate arrays: both caches are donated).

@@ -195,12 +195,10 @@ class SpecEngine:
             if tree != "auto":
                 raise ValueError(f"tree must be a TreeConfig or 'auto', got {tree!r}")
             trees = [t for t in map(harness.parse_candidate, harness.DEFAULT_CANDIDATES) if t is not None]
-            slack, extra = harness.tree_slack(trees), harness.draft_extra(trees)
-            max_depth = max(t.depth for t in trees)
         else:
             trees = [tree]
-            slack, extra = tree.tree_tokens + tree.depth, (tree.depth - 1) * tree.topk + tree.depth + 1
-            max_depth = tree.depth
+        slack, extra = harness.tree_slack(trees), harness.draft_extra(trees)
+        max_depth = max(t.depth for t in trees)
         tokens, prompt_lens, params, s_len = prepare_batch(self.target.cfg, prompt_ids, max_new_tokens, params,
                                                            slack=slack)
         n, b, t = len(prompt_ids), tokens.shape[0], tokens.shape[1]
