@@ -8,7 +8,8 @@ Two ingredients:
   this hardware (draft steps, verify of N tree tokens, acceptance, KV moves). Profiles are cached as
   JSON under ~/.cache/eagle_jax/harness/ (or `cache_dir`), keyed by a hash of everything that changes
   the numbers; `reprofile=True` measures again.
-* **running acceptance statistics** (`AcceptanceStats`): tokens each row emitted per step under each
+* **running acceptance statistics** (`AcceptanceStats`, one set for greedy rows and one for sampled
+  rows, whose acceptance is much lower): tokens each row emitted per step under each
   candidate (an exponentially decayed mean), and per-depth conditional acceptance rates pooled over
   every candidate that ran (a decayed, censoring-aware estimate: a row that accepted its whole tree
   says nothing about deeper levels). A candidate's expected tokens per row blend its own mean with the
@@ -291,52 +292,83 @@ class FixedPolicy:
 
     def __init__(self, tree: TreeConfig | None):
         self.tree = tree
-        self.stats = AcceptanceStats(tree.depth if tree is not None else 1)
+        depth = tree.depth if tree is not None else 1
+        self.stats, self.sampled_stats = AcceptanceStats(depth), AcceptanceStats(depth)
         self.name = candidate_name(tree)
 
-    def choose(self, bucket: int, active: int, synced: int) -> Choice:
-        exp = active if self.tree is None else synced * self.stats.expected_tokens(self.tree) + (active - synced)
+    def choose(self, bucket: int, active: int, synced: int, sampled: int = 0) -> Choice:
+        exp = active if self.tree is None else (
+            (synced - sampled) * self.stats.expected_tokens(self.tree)
+            + sampled * self.sampled_stats.expected_tokens(self.tree) + (active - synced))
         return Choice(self.name, self.tree, float(exp), 0.0)
 
-    def observe(self, tree, counts) -> None:
-        self.stats.observe(tree, counts)
+    def observe(self, tree, counts, sampled=None) -> None:
+        observe_by_class(self.stats, self.sampled_stats, tree, counts, sampled)
 
     def snapshot(self) -> dict:
-        return {"mode": "fixed", "candidates": [self.name], "tau_ema": self.stats.tau_ema,
-                "expected_tokens_per_row": {self.name: self.stats.expected_tokens(self.tree)}}
+        def part(st):
+            return {"tau_ema": st.tau_ema, "expected_tokens_per_row": {self.name: st.expected_tokens(self.tree)}}
+        return {"mode": "fixed", "candidates": [self.name], **part(self.stats), "sampled": part(self.sampled_stats)}
+
+
+def observe_by_class(greedy: AcceptanceStats, sampled_stats: AcceptanceStats, tree, counts, sampled) -> None:
+    """One step's counts into the greedy and the sampled statistics (`sampled[i]`: row i samples; None:
+    every row is greedy). Both decay every step, as time passes for both."""
+    counts = list(counts)
+    flags = [False] * len(counts) if sampled is None else [bool(x) for x in sampled]
+    if len(flags) != len(counts):
+        raise ValueError(f"observe: {len(counts)} counts but {len(flags)} sampled flags")
+    greedy.observe(tree, [c for c, f in zip(counts, flags) if not f])
+    sampled_stats.observe(tree, [c for c, f in zip(counts, flags) if f])
 
 
 class Harness:
     """Chooses the candidate with the most expected tokens per second for the current batch."""
 
     def __init__(self, candidates: Sequence[TreeConfig | None], profile: Profile, *, margin: float = 0.03,
-                 ucb: float = 0.5, stats: AcceptanceStats | None = None):
+                 ucb: float = 0.5, stats: AcceptanceStats | None = None,
+                 sampled_stats: AcceptanceStats | None = None):
         trees = [t for t in candidates if t is not None]
         self.candidates: list[TreeConfig | None] = [None] + trees  # off is always a candidate
         self.profile = profile
         self.margin, self.ucb = margin, ucb
-        self.stats = stats or AcceptanceStats(max([t.depth for t in trees] + [1]))
+        depth = max([t.depth for t in trees] + [1])
+        # Greedy and sampled rows accept drafts at very different rates (a sampled row keeps a draft token
+        # only with probability min(1, p/q)), so each kind has its own statistics and a batch's expected
+        # tokens add up its greedy and its sampled rows.
+        self.stats = stats or AcceptanceStats(depth)  # rows decoding greedily
+        self.sampled_stats = sampled_stats or AcceptanceStats(depth)  # rows sampling (temperature > 0)
         self.last: dict[int, str] = {}  # bucket -> name of the last choice (for logging changes)
         self.logged_at: dict[int, float] = {}
         self.counts: dict[str, int] = {}  # choices made, by candidate
         self.last_choice: Choice | None = None
 
-    def _tokens(self, tree, active: int, synced: int, bonus: bool) -> float:
+    def _tokens(self, tree, active: int, synced: int, bonus: bool, sampled: int = 0) -> float:
+        """Tokens the batch is expected to emit: `synced` rows in step with their draft, `sampled` of
+        them sampling; rows out of step emit one token."""
         if tree is None:
             return float(active)
-        per_row = self.stats.expected_tokens(tree)
-        if bonus:
-            per_row = min(tree.depth + 1.0,
-                          per_row + self.ucb * tree.depth / math.sqrt(1.0 + self.stats.evidence(tree)))
-        return synced * per_row + (active - synced)
+        total = 0.0
+        for stats, rows in ((self.stats, synced - sampled), (self.sampled_stats, sampled)):
+            if rows <= 0:
+                continue
+            per_row = stats.expected_tokens(tree)
+            if bonus:
+                per_row = min(tree.depth + 1.0, per_row + self.ucb * tree.depth / math.sqrt(1.0 + stats.evidence(tree)))
+            total += rows * per_row
+        return total + (active - synced)
 
-    def choose(self, bucket: int, active: int, synced: int) -> Choice:
+    def choose(self, bucket: int, active: int, synced: int, sampled: int = 0) -> Choice:
+        """`active` rows decode this step, `synced` of them have a draft in step with the target, and
+        `sampled` of those sample (temperature > 0)."""
+        if not 0 <= sampled <= synced <= active:
+            raise ValueError(f"choose: need 0 <= sampled ({sampled}) <= synced ({synced}) <= active ({active})")
         best, best_rate = None, -1.0
         off_rate = active / self.profile.cost(bucket, OFF)
         rates = {}
         for tree in self.candidates:
             cost = self.profile.cost(bucket, candidate_name(tree))
-            rate = self._tokens(tree, active, synced, bonus=False) / cost
+            rate = self._tokens(tree, active, synced, bonus=False, sampled=sampled) / cost
             rates[candidate_name(tree)] = rate
             if tree is not None and rate < off_rate * (1.0 + self.margin):
                 continue  # speculation must clearly beat a plain step
@@ -346,11 +378,11 @@ class Harness:
         if synced > 0:  # optimism about rarely tried trees; only rows in sync can teach us anything
             for tree in self.candidates[1:]:
                 cost = self.profile.cost(bucket, candidate_name(tree))
-                rate = self._tokens(tree, active, synced, bonus=True) / cost
+                rate = self._tokens(tree, active, synced, bonus=True, sampled=sampled) / cost
                 if rate > best_rate * (1.0 + self.margin) and tree is not best:
                     best, best_rate, explore = tree, rate, True
         name = candidate_name(best)
-        choice = Choice(name, best, self._tokens(best, active, synced, bonus=False),
+        choice = Choice(name, best, self._tokens(best, active, synced, bonus=False, sampled=sampled),
                         self.profile.cost(bucket, name), explore)
         self.counts[name] = self.counts.get(name, 0) + 1
         if self.last.get(bucket) != name:
@@ -366,15 +398,19 @@ class Harness:
         self.last_choice = choice
         return choice
 
-    def observe(self, tree, counts) -> None:
-        self.stats.observe(tree, counts)
+    def observe(self, tree, counts, sampled=None) -> None:
+        """One step: `counts[i]` tokens emitted by the i-th in-sync row, `sampled[i]` whether it samples."""
+        observe_by_class(self.stats, self.sampled_stats, tree, counts, sampled)
 
     def snapshot(self) -> dict:
+        """Top-level estimates are the greedy rows'; `sampled` holds the sampled rows'."""
         last = self.last_choice
+
+        def part(st):
+            return {"tau_ema": st.tau_ema, "alpha": st.alpha()[1:].tolist(),
+                    "expected_tokens_per_row": {candidate_name(t): st.expected_tokens(t) for t in self.candidates}}
         return {"mode": "auto", "candidates": [candidate_name(t) for t in self.candidates],
-                "tau_ema": self.stats.tau_ema,
-                "expected_tokens_per_row": {candidate_name(t): self.stats.expected_tokens(t) for t in self.candidates},
-                "alpha": self.stats.alpha()[1:].tolist(), "choices": dict(self.counts),
+                **part(self.stats), "sampled": part(self.sampled_stats), "choices": dict(self.counts),
                 "last_choice": None if last is None else dataclasses.asdict(last) | {"tree": last.name},
                 "profile": {"source": self.profile.source, "key": self.profile.key,
                             "step_seconds": {str(b): row for b, row in sorted(self.profile.seconds.items())}}}

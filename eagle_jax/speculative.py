@@ -178,7 +178,7 @@ class SpecEngine:
         self.graphdef, self.state = nnx.split(target.model)
         self.head_graphdef, self.head_state = nnx.split(head)
         self._profiles = {}  # (batch, cache length, profile dir) -> harness cost profile (tree="auto")
-        self.acceptance = None  # harness.AcceptanceStats shared by the tree="auto" calls of this engine
+        self.acceptance = None  # (greedy, sampled) harness.AcceptanceStats shared by this engine's tree="auto" calls
 
     def generate(self, prompt_ids, *, max_new_tokens: int, params: SamplingParams, tree, stop: Sequence[str] = (),
                  on_token=None, ignore_eos: bool = False, max_steps: int | None = None,
@@ -208,8 +208,10 @@ class SpecEngine:
                 self._profiles[key] = harness.load_or_measure(self.target, self.head, [b], [None] + trees, s_len,
                                                               s_len + extra, cache_dir=profile_dir)
             if self.acceptance is None:  # acceptance statistics carry over from call to call, as in a server
-                self.acceptance = harness.AcceptanceStats(max_depth)
-            policy = harness.Harness(trees, self._profiles[key], stats=self.acceptance)
+                self.acceptance = (harness.AcceptanceStats(max_depth), harness.AcceptanceStats(max_depth))
+            policy = harness.Harness(trees, self._profiles[key], stats=self.acceptance[0],
+                                     sampled_stats=self.acceptance[1])
+        row_samples = np.asarray(params.temperature) > 0  # [b]: the harness estimates greedy and sampled rows apart
         eos = () if ignore_eos else self.target.eos_token_ids
         rows = [StopChecker(self.target.tokenizer, eos, stop, max_new_tokens) for _ in range(n)]
 
@@ -234,7 +236,8 @@ class SpecEngine:
             nonlocal st, dispatched
             step_tree = tree
             if policy is not None:
-                step_tree = policy.choose(b, int(active.sum()), int((active & synced).sum())).tree
+                step_tree = policy.choose(b, int(active.sum()), int((active & synced).sum()),
+                                          int((active & synced & row_samples).sum())).tree
             rows_in, observe_rows = active.copy(), active & synced
             if step_tree is None:
                 st, emitted, count = verify_step(self.graphdef, self.state, st, params, jnp.asarray(rows_in))
@@ -258,13 +261,14 @@ class SpecEngine:
             pending = dispatch() if can_step() else None
             emitted, count = np.asarray(emitted), np.asarray(count)
             steps += 1
-            observed = []
+            observed, observed_sampled = [], []
             for r, row in enumerate(rows):
                 if not rows_in[r] or row.reason is not None:
                     continue
                 counts.append(int(count[r]))
                 if observe_rows[r]:
                     observed.append(int(count[r]))
+                    observed_sampled.append(bool(row_samples[r]))
                 for j in range(int(count[r])):
                     finished = row.push(int(emitted[r, j]))
                     if on_token is not None:
@@ -273,7 +277,7 @@ class SpecEngine:
                         break
                 active[r] = row.reason is None
             if policy is not None:
-                policy.observe(step_tree, observed)
+                policy.observe(step_tree, observed, observed_sampled)
                 name = harness.candidate_name(step_tree)
                 choices[name] = choices.get(name, 0) + 1
         hist = np.bincount(np.asarray(counts, np.int64), minlength=max_depth + 2)[1:].tolist() if counts else []

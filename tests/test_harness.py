@@ -140,3 +140,23 @@ def test_cost_profile_is_measured_once_cached_on_disk_and_remeasured_on_request(
     # Other settings (here a longer cache) are another key, so another measurement.
     other = harness.profile_key(tgt, head, (1, 2), ["off", "d2k1n3"], 256)
     assert other != first.key
+
+
+def test_greedy_and_sampled_rows_are_estimated_apart():
+    tree = TreeConfig.chain(3)
+    prof = Profile("p", {1: {"off": 0.010, "d3k1n4": 0.015}, 2: {"off": 0.010, "d3k1n4": 0.015}}, {})
+    h = Harness([tree], prof)
+    for _ in range(300):  # greedy rows accept the whole chain; sampled rows accept nothing
+        h.observe(tree, [4, 1], [False, True])
+    assert h.stats.expected_tokens(tree) == pytest.approx(4.0, abs=0.05)
+    assert h.sampled_stats.expected_tokens(tree) == pytest.approx(1.0, abs=0.05)
+    assert h.choose(1, 1, 1).name == "d3k1n4"  # a greedy row: 4 tokens for 1.5x the cost
+    assert h.choose(1, 1, 1, sampled=1).name == "off"  # a sampled row: 1 token for 1.5x the cost
+    mixed = h.choose(2, 2, 2, sampled=1)
+    assert mixed.name == "d3k1n4" and mixed.expected_tokens == pytest.approx(5.0, abs=0.1)
+    snap = h.snapshot()
+    assert snap["tau_ema"] == pytest.approx(4.0) and snap["sampled"]["tau_ema"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="sampled flags"):
+        h.observe(tree, [4, 1], [False])
+    with pytest.raises(ValueError, match="sampled"):
+        h.choose(1, 1, 1, sampled=2)

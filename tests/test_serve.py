@@ -220,7 +220,7 @@ def test_openai_client_completions_chat_and_streams_equal_plain_greedy(spec_serv
     assert sum(state["choices"].values()) > 0 and state["last_choice"]["tree"] in state["candidates"]
     m = spec_server.metrics()
     assert sum(v for k, v in m.items() if k.startswith("eagle_harness_choice")) == 1.0
-    assert m["eagle_tau"] > 1.5  # the oracle head's drafts are mostly accepted
+    assert m['eagle_tau{sampling="greedy"}'] > 1.5  # the oracle head's drafts are mostly accepted
 
 
 def test_32_concurrent_streams_each_equal_their_single_request_result(spec_server, spec_pair, monkeypatch):
@@ -232,7 +232,7 @@ def test_32_concurrent_streams_each_equal_their_single_request_result(spec_serve
     script = [None, TreeConfig(3, 2, 6), TreeConfig(4, 4, 16), TreeConfig(3, 2, 6)]
     calls = iter(range(10**9))
 
-    def scripted(bucket, active, synced):
+    def scripted(bucket, active, synced, sampled=0):
         tree = script[next(calls) % len(script)]
         return Choice(candidate_name(tree), tree, 0.0, 0.0)
 

@@ -302,6 +302,12 @@ def test_auto_tree_is_lossless_and_follows_the_costs(tmp_path):
     r = eng.generate([PROMPTS[0]], max_new_tokens=24, params=params, tree="auto", profile_dir=flat)
     assert r.token_ids == plain.token_ids
     assert r.stats["tree"] == "auto" and r.stats["choices"].get("off", 0) == 0 and r.stats["tau"] > 2
+    # Greedy and sampled rows teach separate statistics (sampled acceptance is much lower in general).
+    greedy, sampled = eng.acceptance
+    assert sum(greedy.n.values()) > 0 and sum(sampled.n.values()) == 0
+    r = eng.generate([PROMPTS[0]], max_new_tokens=24, params=engine.SamplingParams.make(1, temperature=1.0, seed=3),
+                     tree="auto", profile_dir=flat)
+    assert len(r.token_ids[0]) == 24 and sum(sampled.n.values()) > 0 and eng.acceptance == (greedy, sampled)
     # Every token verified costs a full step (a slow CPU): plain steps win and are chosen.
     steep = tmp_path / "steep"
     steep.mkdir()

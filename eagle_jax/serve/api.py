@@ -396,11 +396,13 @@ class Api:
                   ("eagle_slots_free", {}, c["free"])]
         policy = self.scheduler.policy
         snap = policy.snapshot()
-        if snap.get("tau_ema") is not None:
-            gauges.append(("eagle_tau", {}, snap["tau_ema"]))
         last = getattr(policy, "last_choice", None)
-        for name, value in snap.get("expected_tokens_per_row", {}).items():
-            gauges.append(("eagle_harness_expected_tokens", {"config": name}, value))
+        for sampling, part in (("greedy", snap), ("sampled", snap.get("sampled", {}))):
+            if part.get("tau_ema") is not None:
+                gauges.append(("eagle_tau", {"sampling": sampling}, part["tau_ema"]))
+            for name, value in part.get("expected_tokens_per_row", {}).items():
+                gauges.append(("eagle_harness_expected_tokens", {"config": name, "sampling": sampling}, value))
+        for name in snap.get("expected_tokens_per_row", {}):
             chosen = (last.name == name) if last is not None else (snap["mode"] == "fixed")
             gauges.append(("eagle_harness_choice", {"config": name}, 1.0 if chosen else 0.0))
         return self.metrics.render(gauges)

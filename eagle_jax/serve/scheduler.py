@@ -392,7 +392,8 @@ class Scheduler:
         active = np.array([r is not None for r in self.slots])
         n_active = int(active.sum())
         n_synced = int((active & self.synced).sum())
-        choice = self.policy.choose(bucket, n_active, n_synced)
+        samples = np.array([r is not None and r.temperature > 0 for r in self.slots])  # estimated apart from greedy
+        choice = self.policy.choose(bucket, n_active, n_synced, int((active & self.synced & samples).sum()))
         params = self._sampling_params()
         t0 = time.perf_counter()
         try:
@@ -417,7 +418,8 @@ class Scheduler:
         dt = time.perf_counter() - t0
         self.steps += 1
         self.last_batch = n_active
-        self.policy.observe(choice.tree, [int(count[r]) for r in range(bucket) if active[r] and self.synced[r]])
+        observed = [r for r in range(bucket) if active[r] and self.synced[r]]
+        self.policy.observe(choice.tree, [int(count[r]) for r in observed], [bool(samples[r]) for r in observed])
         if choice.tree is None:
             self.synced[:] = False  # the draft was not refreshed
         tokens = 0
