@@ -40,7 +40,7 @@ def test_shipped_head_acceptance_does_not_regress(target, head):
     spec = eagle_jax.generate(target, prompts, draft=head, max_new_tokens=128)
     assert spec.token_ids == plain.token_ids
     # tau is deterministic at temperature 0 (the numbers are the same on every run of the same build).
-    # The shipped head measured tau 1.91 here (histogram [139, 115, 56, 19, 5]) after 470 stage-1 and 1500
-    # stage-2 CPU training steps; this guards that level. Issue 5's goal for this test, tau >= 2.5, needs
-    # more training.
-    assert spec.stats["tau"] >= 1.85, spec.stats["accept_histogram"]
+    # The shipped head measured tau 2.01 here (histogram [126, 103, 57, 27, 6]) after 470 stage-1 and 2500
+    # stage-2 CPU training steps; this guards that level. (With EAGLE-2's 60-token tree, depth 6, top-k 10,
+    # it reaches 2.45; see train/README.md.)
+    assert spec.stats["tau"] >= 1.95, spec.stats["accept_histogram"]
