@@ -144,9 +144,9 @@ def default_cache_dir() -> Path:
     return Path(root) / "harness"
 
 
-def measure_profile(target, head, buckets: Sequence[int], candidates: Sequence[TreeConfig | None], cache_len: int,
-                    draft_len: int, reps: int = 9, context: int | None = None) -> dict[int, dict[str, float]]:
-    """Median seconds of one step per (bucket, candidate), rows filled to `context` tokens (greedy)."""
+def _stepper(target, head, batch: int, cache_len: int, draft_len: int, context: int):
+    """(state, step): an empty SpecState of these shapes and a function running one step of a candidate
+    on it (rows reset to `context` committed tokens first), blocking until it is done."""
     from flax import nnx
 
     from eagle_jax import speculative
@@ -154,27 +154,45 @@ def measure_profile(target, head, buckets: Sequence[int], candidates: Sequence[T
 
     g, st = nnx.split(target.model)
     hg, hs = nnx.split(head) if head is not None else (None, None)
+    params = SamplingParams.make(batch)
+    active = jnp.ones((batch,), bool)
+    state = speculative.empty_state(target, head, batch, cache_len, draft_len)
+
+    def step(s, tree):
+        # Back to `context` committed tokens each time (separate arrays: both caches are donated).
+        s = speculative.SpecState(s.cache.replace(lengths=jnp.full((batch,), context, jnp.int32)),
+                                  s.draft_cache.replace(lengths=jnp.full((batch,), context, jnp.int32)),
+                                  s.root, s.root_hidden)
+        if tree is None:
+            s, _, count = speculative.verify_step(g, st, s, params, active)
+        else:
+            s, _, count = speculative.spec_step(g, st, hg, hs, s, params, active, tree)
+        count.block_until_ready()
+        return s
+
+    return state, step
+
+
+def compile_candidates(target, head, batch: int, candidates: Sequence[TreeConfig | None], cache_len: int,
+                       draft_len: int) -> None:
+    """Runs one step of every candidate at these shapes, so none is compiled the first time the harness
+    picks it (measuring a profile does this too; a profile read from the cache does not)."""
+    if head is None and any(t is not None for t in candidates):
+        raise ValueError("speculation candidates need a draft head")
+    state, step = _stepper(target, head, batch, cache_len, draft_len, max(1, cache_len // 4))
+    for tree in candidates:
+        state = step(state, tree)
+
+
+def measure_profile(target, head, buckets: Sequence[int], candidates: Sequence[TreeConfig | None], cache_len: int,
+                    draft_len: int, reps: int = 9, context: int | None = None) -> dict[int, dict[str, float]]:
+    """Median seconds of one step per (bucket, candidate), rows filled to `context` tokens (greedy)."""
     ctx = int(context if context is not None else max(1, cache_len // 4))
     if head is None and any(t is not None for t in candidates):
         raise ValueError("speculation candidates need a draft head")
     out: dict[int, dict[str, float]] = {}
     for b in buckets:
-        params = SamplingParams.make(b)
-        active = jnp.ones((b,), bool)
-        state = speculative.empty_state(target, head, b, cache_len, draft_len)
-
-        def step(s, tree):
-            # Back to `ctx` committed tokens each time (separate arrays: both caches are donated).
-            s = speculative.SpecState(s.cache.replace(lengths=jnp.full((b,), ctx, jnp.int32)),
-                                      s.draft_cache.replace(lengths=jnp.full((b,), ctx, jnp.int32)),
-                                      s.root, s.root_hidden)
-            if tree is None:
-                s, _, count = speculative.verify_step(g, st, s, params, active)
-            else:
-                s, _, count = speculative.spec_step(g, st, hg, hs, s, params, active, tree)
-            count.block_until_ready()
-            return s
-
+        state, step = _stepper(target, head, b, cache_len, draft_len, ctx)
         for tree in candidates:
             state = step(step(state, tree), tree)  # compile, warm
         # Rounds over all candidates, so a burst of load from elsewhere on the machine inflates every

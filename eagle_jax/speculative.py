@@ -205,8 +205,11 @@ class SpecEngine:
         if isinstance(tree, str):
             key = (b, s_len, str(profile_dir))
             if key not in self._profiles:
-                self._profiles[key] = harness.load_or_measure(self.target, self.head, [b], [None] + trees, s_len,
-                                                              s_len + extra, cache_dir=profile_dir)
+                prof = harness.load_or_measure(self.target, self.head, [b], [None] + trees, s_len, s_len + extra,
+                                               cache_dir=profile_dir)
+                if prof.source != "measured":  # measuring compiled every candidate; a cached profile did not
+                    harness.compile_candidates(self.target, self.head, b, [None] + trees, s_len, s_len + extra)
+                self._profiles[key] = prof
             if self.acceptance is None:  # acceptance statistics carry over from call to call, as in a server
                 self.acceptance = (harness.AcceptanceStats(max_depth), harness.AcceptanceStats(max_depth))
             policy = harness.Harness(trees, self._profiles[key], stats=self.acceptance[0],

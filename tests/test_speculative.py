@@ -320,6 +320,24 @@ def test_auto_tree_is_lossless_and_follows_the_costs(tmp_path):
         eng.generate([PROMPTS[0]], max_new_tokens=4, params=params, tree="sometimes")
 
 
+def test_auto_tree_compiles_every_candidate_up_front_when_the_profile_comes_from_the_cache(tmp_path):
+    from eagle_jax import harness
+
+    tgt, head = oracle_pair()
+    params = engine.SamplingParams.make(1)
+    trees = [t for t in map(harness.parse_candidate, harness.DEFAULT_CANDIDATES) if t is not None]
+    _, _, _, s_len = engine.prepare_batch(tgt.cfg, [PROMPTS[2]], 40, params, slack=harness.tree_slack(trees))
+    # Costs that make the harness switch among trees and plain steps: nothing may compile mid-generation
+    # (a bench or a server would time the compile), so all candidates compile before the first step.
+    _profile(tmp_path, tgt, head, 1, s_len, None, lambda t: 0.01 * (1 if t is None else 1 + 0.05 * t.tree_tokens))
+    before = dict(engine.TRACE_COUNTS)
+    eng = speculative.SpecEngine(tgt, head)
+    r = eng.generate([PROMPTS[2]], max_new_tokens=40, params=params, tree="auto", profile_dir=tmp_path)
+    assert r.stats["profile"] == "cache" and len(r.stats["choices"]) >= 2
+    traced = {k: engine.TRACE_COUNTS[k] - before.get(k, 0) for k in ("spec_step", "verify_step")}
+    assert traced == {"spec_step": len(trees), "verify_step": 1}, traced  # each candidate once, up front
+
+
 def test_auto_tree_measures_a_profile_when_none_is_cached(tmp_path):
     tgt, head = oracle_pair()
     batch = [PROMPTS[0], PROMPTS[1]]
