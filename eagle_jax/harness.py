@@ -144,14 +144,16 @@ def default_cache_dir() -> Path:
     return Path(root) / "harness"
 
 
-def _stepper(target, head, batch: int, cache_len: int, draft_len: int, context: int):
-    """(state, step): an empty SpecState of these shapes and a function running one step of a candidate
-    on it (rows reset to `context` committed tokens first), blocking until it is done."""
+def _stepper(target, head, candidates, batch: int, cache_len: int, draft_len: int, context: int):
+    """(state, step): an empty SpecState of these shapes and a function running one step of one of the
+    `candidates` on it (rows reset to `context` committed tokens first), blocking until it is done."""
     from flax import nnx
 
     from eagle_jax import speculative
     from eagle_jax.sampling import SamplingParams
 
+    if head is None and any(t is not None for t in candidates):
+        raise ValueError("speculation candidates need a draft head")
     g, st = nnx.split(target.model)
     hg, hs = nnx.split(head) if head is not None else (None, None)
     params = SamplingParams.make(batch)
@@ -177,9 +179,7 @@ def compile_candidates(target, head, batch: int, candidates: Sequence[TreeConfig
                        draft_len: int) -> None:
     """Runs one step of every candidate at these shapes, so none is compiled the first time the harness
     picks it (measuring a profile does this too; a profile read from the cache does not)."""
-    if head is None and any(t is not None for t in candidates):
-        raise ValueError("speculation candidates need a draft head")
-    state, step = _stepper(target, head, batch, cache_len, draft_len, max(1, cache_len // 4))
+    state, step = _stepper(target, head, candidates, batch, cache_len, draft_len, max(1, cache_len // 4))
     for tree in candidates:
         state = step(state, tree)
 
@@ -188,11 +188,9 @@ def measure_profile(target, head, buckets: Sequence[int], candidates: Sequence[T
                     draft_len: int, reps: int = 9, context: int | None = None) -> dict[int, dict[str, float]]:
     """Median seconds of one step per (bucket, candidate), rows filled to `context` tokens (greedy)."""
     ctx = int(context if context is not None else max(1, cache_len // 4))
-    if head is None and any(t is not None for t in candidates):
-        raise ValueError("speculation candidates need a draft head")
     out: dict[int, dict[str, float]] = {}
     for b in buckets:
-        state, step = _stepper(target, head, b, cache_len, draft_len, ctx)
+        state, step = _stepper(target, head, candidates, b, cache_len, draft_len, ctx)
         for tree in candidates:
             state = step(step(state, tree), tree)  # compile, warm
         # Rounds over all candidates, so a burst of load from elsewhere on the machine inflates every
@@ -315,10 +313,8 @@ class FixedPolicy:
         self.name = candidate_name(tree)
 
     def choose(self, bucket: int, active: int, synced: int, sampled: int = 0) -> Choice:
-        exp = active if self.tree is None else (
-            (synced - sampled) * self.stats.expected_tokens(self.tree)
-            + sampled * self.sampled_stats.expected_tokens(self.tree) + (active - synced))
-        return Choice(self.name, self.tree, float(exp), 0.0)
+        exp = batch_tokens(self.stats, self.sampled_stats, self.tree, active, synced, sampled)
+        return Choice(self.name, self.tree, exp, 0.0)
 
     def observe(self, tree, counts, sampled=None) -> None:
         observe_by_class(self.stats, self.sampled_stats, tree, counts, sampled)
@@ -327,6 +323,24 @@ class FixedPolicy:
         def part(st):
             return {"tau_ema": st.tau_ema, "expected_tokens_per_row": {self.name: st.expected_tokens(self.tree)}}
         return {"mode": "fixed", "candidates": [self.name], **part(self.stats), "sampled": part(self.sampled_stats)}
+
+
+def batch_tokens(greedy: AcceptanceStats, sampled_stats: AcceptanceStats, tree, active: int, synced: int,
+                 sampled: int, ucb: float | None = None) -> float:
+    """Tokens a batch is expected to emit under `tree`: `synced` rows in step with their draft (`sampled`
+    of them sampling, each kind by its own statistics); rows out of step emit one. With `ucb`, each
+    estimate gets an optimism bonus that shrinks with evidence (capped at the tree's depth + 1)."""
+    if tree is None:
+        return float(active)
+    total = 0.0
+    for stats, rows in ((greedy, synced - sampled), (sampled_stats, sampled)):
+        if rows <= 0:
+            continue
+        per_row = stats.expected_tokens(tree)
+        if ucb is not None:
+            per_row = min(tree.depth + 1.0, per_row + ucb * tree.depth / math.sqrt(1.0 + stats.evidence(tree)))
+        total += rows * per_row
+    return total + (active - synced)
 
 
 def observe_by_class(greedy: AcceptanceStats, sampled_stats: AcceptanceStats, tree, counts, sampled) -> None:
@@ -362,19 +376,8 @@ class Harness:
         self.last_choice: Choice | None = None
 
     def _tokens(self, tree, active: int, synced: int, bonus: bool, sampled: int = 0) -> float:
-        """Tokens the batch is expected to emit: `synced` rows in step with their draft, `sampled` of
-        them sampling; rows out of step emit one token."""
-        if tree is None:
-            return float(active)
-        total = 0.0
-        for stats, rows in ((self.stats, synced - sampled), (self.sampled_stats, sampled)):
-            if rows <= 0:
-                continue
-            per_row = stats.expected_tokens(tree)
-            if bonus:
-                per_row = min(tree.depth + 1.0, per_row + self.ucb * tree.depth / math.sqrt(1.0 + stats.evidence(tree)))
-            total += rows * per_row
-        return total + (active - synced)
+        return batch_tokens(self.stats, self.sampled_stats, tree, active, synced, sampled,
+                            self.ucb if bonus else None)
 
     def choose(self, bucket: int, active: int, synced: int, sampled: int = 0) -> Choice:
         """`active` rows decode this step, `synced` of them have a draft in step with the target, and

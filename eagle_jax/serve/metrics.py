@@ -23,9 +23,11 @@ DESCRIPTIONS = {
     "eagle_batch_size": ("gauge", "Active rows in the last decoding step."),
     "eagle_batch_bucket": ("gauge", "Static batch size (bucket) of the running state."),
     "eagle_slots_free": ("gauge", "Free batch slots (max_batch minus running requests)."),
-    "eagle_tau": ("gauge", "Recent tokens per row per speculative step (EMA, rows whose draft is in sync), greedy and sampled rows apart."),
+    "eagle_tau": ("gauge", "Recent tokens per row per speculative step (EMA, rows whose draft is in sync), "
+                           "greedy and sampled rows apart."),
     "eagle_harness_choice": ("gauge", "1 for the tree shape chosen for the last step."),
-    "eagle_harness_expected_tokens": ("gauge", "Harness estimate of tokens per in-sync row per step, by shape, greedy and sampled rows apart."),
+    "eagle_harness_expected_tokens": ("gauge", "Harness estimate of tokens per in-sync row per step, by shape, "
+                                               "greedy and sampled rows apart."),
 }
 
 
