@@ -91,14 +91,23 @@ def test_recipe_runs_end_to_end_resumes_and_exports_a_loadable_head(tiny_model_d
     assert [json.loads(x)["step"] for x in lines] == [2, 3, 4, 6]  # the first run (--steps 3) logs its last step
     if kind != "eagle3":
         return
-    # A new run continues from the exported head (same data dir, so no new answers to generate):
-    # before its first step, the evaluation equals the source head's.
+    # A later stage continues from the exported head in the same data directory and appends a source
+    # (its prompts are answered and added); the first recipe, rerun, still uses only its own 9.
+    more = tmp_path / "more.jsonl"
+    more.write_text(json.dumps({"prompt": "Name two rivers."}) + "\n")
     cont = tmp_path / "cont.toml"
     cont.write_text(recipe.read_text().replace('draft_vocab_size = 512', f'draft_vocab_size = 512\ninit_from = "{summary["head"]}"')
-                    .replace(f'out_dir = "{tmp_path / "run"}"', f'out_dir = "{tmp_path / "run2"}"'))
+                    .replace(f'out_dir = "{tmp_path / "run"}"', f'out_dir = "{tmp_path / "run2"}"')
+                    .replace('path = "%s" }]' % jsonl, 'path = "%s" }, { kind = "jsonl", path = "%s" }]' % (jsonl, more)))
     third = _run(cont, "--steps", "1")
     assert third.returncode == 0, third.stderr[-3000:]
     assert "[head] initialised from" in third.stdout
+    assert "[data] 10 prompts" in third.stdout and "[data] 8 train / 2 held-out" in third.stdout
+    assert json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())["done"] == 10
+    rerun = _run(recipe, "--data-only")  # stops after the data stage
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "[data] 9 prompts" in rerun.stdout and "[data] 8 train / 1 held-out" in rerun.stdout
+    assert "[train]" not in rerun.stdout and "[export]" not in rerun.stdout
     again = eagle_jax.load_draft(json.loads(third.stdout.strip().splitlines()[-1])["head"], target.cfg)
     import numpy as np
 
@@ -157,5 +166,7 @@ def test_prompt_sources_are_recorded_and_may_only_be_appended(tmp_path):
     both = collect_prompts(None, two, tmp_path / "d", tmp_path, "r.toml")
     assert both[: len(first) + 1] == first + ["kept as stored"] and all("tea" in p for p in both[len(first) + 1:])
     assert json.loads((tmp_path / "d" / "prompts.json").read_text()) == both
+    # An earlier stage's recipe (the first recorded sources) gets only their prompts.
+    assert collect_prompts(None, one, tmp_path / "d", tmp_path, "r.toml") == first
     with pytest.raises(RecipeError, match="may only be appended"):
         collect_prompts(None, [{"kind": "topics", "topics": ["chess"]}], tmp_path / "d", tmp_path, "r.toml")

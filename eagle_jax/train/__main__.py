@@ -74,8 +74,9 @@ def build_prompts(target, sources, base: Path) -> list[str]:
 def collect_prompts(target, sources: list, data_dir: Path, base: Path, recipe_name: str) -> list[str]:
     """The recipe's prompts, fixed once built: <data dir>/prompts.json holds them and
     prompt_sources.json the sources that made them (with counts). Sources appended to the recipe
-    later are built and appended (more data for a later stage); changing or removing a recorded
-    source is an error, because answered prompts must not change."""
+    later are built and appended (more data for a later stage). A recipe that lists only the first
+    recorded sources (an earlier stage, rerun after a later one added data) gets only their prompts.
+    Changing a recorded source is an error, because answered prompts must not change."""
     from eagle_jax.train import data
 
     prompts_file, sources_file = data_dir / "prompts.json", data_dir / "prompt_sources.json"
@@ -86,6 +87,8 @@ def collect_prompts(target, sources: list, data_dir: Path, base: Path, recipe_na
             return prompts
         recorded = json.loads(sources_file.read_text())
         done = [r["source"] for r in recorded]
+        if len(sources) < len(done) and sources and list(sources) == done[:len(sources)]:
+            return prompts[:sum(r["prompts"] for r in recorded[:len(sources)])]
         if list(sources[:len(done)]) != done:
             raise RecipeError(f"{recipe_name}: data.sources do not start with the sources that made "
                               f"{prompts_file} ({sources_file}: {done}); sources may only be appended")
@@ -112,6 +115,8 @@ def main(argv=None) -> int:
     ap.add_argument("--init-from", help="override head.init_from: continue from this exported head directory")
     ap.add_argument("--distributed", action="store_true",
                     help="call jax.distributed.initialize() (multi-host TPU / GPU; auto-detected on TPU pods)")
+    ap.add_argument("--data-only", action="store_true",
+                    help="stop after the data stage (prompts and the target's answers written)")
     ap.add_argument("--json", action="store_true", help="print the final summary as JSON")
     args = ap.parse_args(argv)
     try:
@@ -152,16 +157,19 @@ def main(argv=None) -> int:
         top_p=float(d.get("top_p", 1.0)), batch_size=int(d.get("batch_size", 8)),
         shard_size=int(d.get("shard_size", 64)), seed=int(d.get("seed", 0)))
     t0 = time.perf_counter()
-    limit = d.get("limit")  # answer only the first `limit` prompts (whole shards); raise it later to extend
-    data.generate_dataset(target, prompts, data_dir, settings, limit=None if limit is None else int(limit),
+    # This run answers and uses its own prompts, or only the first `limit` of them (raise it later to
+    # extend); the directory may hold more prompts and answers (a later stage's).
+    n_use = len(prompts) if d.get("limit") is None else min(int(d["limit"]), len(prompts))
+    stored = json.loads((data_dir / "prompts.json").read_text()) if (data_dir / "prompts.json").exists() else prompts
+    data.generate_dataset(target, stored, data_dir, settings, limit=n_use,
                           progress=lambda n: print(f"[data] +{n} answers", flush=True))
-    rows = data.read_dataset(data_dir)
-    if limit is not None:
-        rows = rows[: int(limit)]  # the data may hold more answers (a later stage's); this run uses the first
+    rows = data.read_dataset(data_dir)[:n_use]
     n_hold = max(1, int(len(rows) * float(d.get("holdout", 0.1))))
     train_rows, eval_rows = rows[:-n_hold], rows[-n_hold:]
     print(f"[data] {len(train_rows)} train / {len(eval_rows)} held-out conversations, "
           f"{sum(int(m.sum()) for _, m in train_rows)} answer tokens ({time.perf_counter() - t0:.0f}s)", flush=True)
+    if args.data_only:
+        return 0
 
     h = recipe["head"]
     init_from = None
