@@ -44,13 +44,56 @@ def accept(tree: Tree, target_logits, params: SamplingParams, root_positions, de
            rule: str = "exact") -> Acceptance:
     """target_logits [B, N, V] from verifying `tree`; root_positions [B] = sequence position of node 0.
 
+    A batch with no sampling row takes `accept_greedy` (the same result without the vocabulary-wide
+    distributions and random draws, which cost a CPU step several milliseconds).
     `rule="broken"` exists only so tests can show the statistical test rejects a wrong rule: it
     skips the renormalisation after a rejection.
     """
+    return jax.lax.cond(jnp.any(params.temperature > 0),
+                        lambda: _accept_sampled(tree, target_logits, params, root_positions, depth, rule),
+                        lambda: accept_greedy(tree, target_logits, depth))
+
+
+def _children(tree: Tree):
+    n = tree.tokens.shape[1]
+    # child_of[b, u, c]: node c is a child of node u.
+    return (tree.parents[:, None, :] == jnp.arange(n)[None, :, None]) & (jnp.arange(n) > 0)[None, None, :]
+
+
+def accept_greedy(tree: Tree, target_logits, depth: int) -> Acceptance:
+    """The rule for greedy rows: follow the child equal to the target's argmax; the bonus is the argmax
+    where no child matches. (Siblings carry distinct tokens, so at most one child matches, and the
+    general rule with one-hot p does exactly this.)"""
+    b = tree.tokens.shape[0]
+    best = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, N]
+    child_of = _children(tree)
+    rows = jnp.arange(b)
+    cur = jnp.zeros((b,), jnp.int32)
+    done = jnp.zeros((b,), bool)
+    count = jnp.ones((b,), jnp.int32)
+    bonus = jnp.zeros((b,), jnp.int32)
+    path = [cur]
+    for level in range(depth + 1):
+        want = best[rows, cur]  # [B]
+        hit = child_of[rows, cur] & (tree.tokens == want[:, None])
+        any_hit = jnp.any(hit, axis=1)
+        first = jnp.argmax(hit, axis=1).astype(jnp.int32)
+        stop_here = ~done & ~any_hit
+        bonus = jnp.where(stop_here, want, bonus)
+        advance = ~done & any_hit
+        cur = jnp.where(advance, first, cur)
+        count = count + advance.astype(jnp.int32)
+        done = done | stop_here
+        if level < depth:
+            path.append(cur)
+    return Acceptance(jnp.stack(path, axis=1), count, bonus)
+
+
+def _accept_sampled(tree: Tree, target_logits, params: SamplingParams, root_positions, depth: int,
+                    rule: str) -> Acceptance:
     b, n = tree.tokens.shape
     p_all = probs(target_logits, params)  # [B, N, V]
-    child_of = (tree.parents[:, None, :] == jnp.arange(n)[None, :, None]) & (jnp.arange(n) > 0)[None, None, :]
-    # child_of[b, u, c]: node c is a child of node u.
+    child_of = _children(tree)
     rows = jnp.arange(b)
     cur = jnp.zeros((b,), jnp.int32)
     done = jnp.zeros((b,), bool)

@@ -124,11 +124,25 @@ def device_kind() -> str:
     return f"{d.platform}:{getattr(d, 'device_kind', 'unknown')}:{jax.device_count()}"
 
 
+# The modules whose code makes up a step: a change to any of them changes what a step costs.
+STEP_MODULES = ("speculative", "accept", "sampling", "tree", "kv_cache", "model", "draft", "engine")
+
+
+def step_code_hash() -> str:
+    """A hash of the source of the modules a step runs (`STEP_MODULES`)."""
+    h = hashlib.sha256()
+    here = Path(__file__).resolve().parent
+    for name in STEP_MODULES:
+        h.update((here / f"{name}.py").read_bytes())
+    return h.hexdigest()[:16]
+
+
 def profile_key(target, head, buckets: Sequence[int], candidates: Sequence[str], cache_len: int) -> str:
     """A readable, file-safe key: model name + a hash of device, model and head configs, buckets,
-    candidates and cache length (head weights do not change step costs; its architecture does)."""
+    candidates, cache length and the step's code (head weights do not change step costs; its
+    architecture does), so a profile is measured again after anything that changes the numbers."""
     ident = {
-        "device": device_kind(), "jax": jax.__version__,
+        "device": device_kind(), "jax": jax.__version__, "code": step_code_hash(),
         "model": target.name, "model_cfg": repr(target.cfg), "model_dtype": str(target.model.dtype),
         "head_cfg": None if head is None else repr(head.cfg), "head_dtype": None if head is None else str(head.dtype),
         "buckets": list(buckets), "candidates": list(candidates), "cache_len": int(cache_len),

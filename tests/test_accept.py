@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle_jax.accept import accept
+from eagle_jax.accept import _accept_sampled, accept, accept_greedy
 from eagle_jax.sampling import SamplingParams, probs
 from eagle_jax.tree import Tree, ancestor_mask
 
@@ -41,6 +41,26 @@ def test_greedy_acceptance_follows_the_argmax_path():
     out = accept(_tree(1), jnp.asarray(logits), SamplingParams.make(1), jnp.asarray([10]), DEPTH)
     assert int(out.count[0]) == 2 and int(out.bonus[0]) == 5
     np.testing.assert_array_equal(np.asarray(out.path[0]), [0, 1, 1])
+
+
+def test_the_greedy_fast_path_equals_the_general_rule():
+    # Random logits over a small vocabulary, so children often match the argmax at every depth.
+    rng = np.random.default_rng(1)
+    n = 64
+    logits = jnp.asarray(rng.normal(size=(n, 6, V)).astype(np.float32))
+    logits = logits.at[:, :, TOKENS[1]].add(jnp.asarray(rng.choice([0.0, 3.0], size=(n, 6)), jnp.float32))
+    greedy = SamplingParams.make(n)
+    fast = accept(_tree(n), logits, greedy, jnp.zeros((n,), jnp.int32), DEPTH)
+    general = _accept_sampled(_tree(n), logits, greedy, jnp.zeros((n,), jnp.int32), DEPTH, "exact")
+    for a, b in ((fast.path, general.path), (fast.count, general.count), (fast.bonus, general.bonus)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert len(set(np.asarray(fast.count).tolist())) == 3  # counts 1, 2 and 3 all occur
+    # In a batch with one sampling row the general rule runs; its greedy rows come out the same.
+    mixed = SamplingParams.make(n, temperature=np.r_[np.zeros(n - 1), 1.0], seed=np.arange(n))
+    out = accept(_tree(n), logits, mixed, jnp.zeros((n,), jnp.int32), DEPTH)
+    ref = accept_greedy(_tree(n), logits, DEPTH)
+    np.testing.assert_array_equal(np.asarray(out.path)[:-1], np.asarray(ref.path)[:-1])
+    np.testing.assert_array_equal(np.asarray(out.bonus)[:-1], np.asarray(ref.bonus)[:-1])
 
 
 def _emitted_pairs(rule, temperature=1.0, top_k=0, top_p=1.0, n=20000):

@@ -140,6 +140,9 @@ def test_cost_profile_is_measured_once_cached_on_disk_and_remeasured_on_request(
     # Other settings (here a longer cache) are another key, so another measurement.
     other = harness.profile_key(tgt, head, (1, 2), ["off", "d2k1n3"], 256)
     assert other != first.key
+    # So is other step code (a step that got cheaper or dearer must be measured again).
+    monkeypatch.setattr(harness, "step_code_hash", lambda: "0" * 16)
+    assert harness.profile_key(tgt, head, (1, 2), ["off", "d2k1n3"], 128) != first.key
 
 
 def test_greedy_and_sampled_rows_are_estimated_apart():
