@@ -98,7 +98,6 @@ def _accept_sampled(tree: Tree, target_logits, params: SamplingParams, root_posi
     cur = jnp.zeros((b,), jnp.int32)
     done = jnp.zeros((b,), bool)
     count = jnp.ones((b,), jnp.int32)
-    bonus = jnp.zeros((b,), jnp.int32)
     path = [cur]
     for level in range(depth + 1):
         key = row_keys(params.seed, root_positions + level + 1)  # token at position root + level + 1
@@ -115,19 +114,20 @@ def _accept_sampled(tree: Tree, target_logits, params: SamplingParams, root_posi
         hit = kids & (u < a)
         any_hit = jnp.any(hit, axis=1)
         first = jnp.argmax(hit, axis=1).astype(jnp.int32)  # lowest node index = first in draft order
-        # Residual after rejecting every child: zero the children's tokens and renormalise.
-        kid_tokens = jnp.where(kids, tree.tokens, -1)
-        vocab = p.shape[-1]
-        zeroed = jnp.any(jax.nn.one_hot(kid_tokens, vocab, dtype=bool), axis=1)  # [B, V]
-        residual = jnp.where(zeroed, 0.0, p)
-        residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p)  # float safety
-        draw = jax.vmap(lambda k, r: jax.random.categorical(jax.random.fold_in(k, 2), jnp.log(r)))(key, residual)
-        stop_here = ~done & ~any_hit
-        bonus = jnp.where(stop_here, draw.astype(jnp.int32), bonus)
         advance = ~done & any_hit
+        done = done | ~any_hit
         cur = jnp.where(advance, first, cur)
         count = count + advance.astype(jnp.int32)
-        done = done | stop_here
         if level < depth:
             path.append(cur)
-    return Acceptance(jnp.stack(path, axis=1), count, bonus)
+    # Every row stopped at `cur` (a node at the tree's depth has no children), rejecting its children:
+    # the bonus is drawn once, from the residual there (p with those children's tokens zeroed,
+    # renormalised), with the key of its position root + count.
+    key = row_keys(params.seed, root_positions + count)
+    p = p_all[rows, cur]
+    vocab = p.shape[-1]
+    kid_tokens = jnp.where(child_of[rows, cur], tree.tokens, vocab)  # out of range = not a child: dropped
+    residual = p.at[rows[:, None], kid_tokens].set(0.0, mode="drop")
+    residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p)  # float safety
+    bonus = jax.vmap(lambda k, r: jax.random.categorical(jax.random.fold_in(k, 2), jnp.log(r)))(key, residual)
+    return Acceptance(jnp.stack(path, axis=1), count, bonus.astype(jnp.int32))
