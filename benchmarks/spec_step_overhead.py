@@ -69,17 +69,15 @@ def step_costs(target, head, batch, trees):
     out["plain_decode"] = time_steps(plain)
     for name, tree in trees.items():
         dl = s_len + (tree.depth - 1) * tree.topk + tree.depth + 1
-        state = [speculative.SpecState(
-            target.model.init_cache(batch, s_len).replace(lengths=jnp.full((batch,), ctx, jnp.int32)),
-            head.init_cache(batch, dl).replace(lengths=jnp.full((batch,), ctx, jnp.int32)),
-            jnp.zeros((batch,), jnp.int32), jnp.zeros((batch, target.cfg.hidden_size), jnp.float32))]
+        s0 = speculative.empty_state(target, head, batch, s_len, dl)
+        state = [s0.replace(cache=s0.cache.replace(lengths=jnp.full((batch,), ctx, jnp.int32)),
+                            draft_cache=s0.draft_cache.replace(lengths=jnp.full((batch,), ctx, jnp.int32)))]
         active = jnp.ones((batch,), bool)
 
         def spec():
             s, emitted, count = speculative.spec_step(g, st, hg, hst, state[0], params, active, tree)
-            state[0] = speculative.SpecState(
-                s.cache.replace(lengths=jnp.full((batch,), ctx, jnp.int32)),
-                s.draft_cache.replace(lengths=jnp.full((batch,), ctx, jnp.int32)), s.root, s.root_hidden)
+            state[0] = s.replace(cache=s.cache.replace(lengths=jnp.full((batch,), ctx, jnp.int32)),
+                                 draft_cache=s.draft_cache.replace(lengths=jnp.full((batch,), ctx, jnp.int32)))
             count.block_until_ready()
 
         out[name] = time_steps(spec)

@@ -22,9 +22,10 @@ Each step `Harness.choose` returns the candidate maximising expected tokens per 
 decode step (`speculative.verify_step`), so speculation never makes a step slower than plain decoding
 by more than the estimation error, and a spec candidate must beat it by `margin`.
 
-Rows stepped with "off" leave the draft behind (it is not refreshed); such rows are "stale": they are
-still verified losslessly under any tree but their drafts are garbage, so the harness counts one token
-for them and learns only from rows whose draft is in sync (`synced`).
+A plain step keeps the target's features for the draft (`speculative.verify_step` with the head), which
+consumes them at the next speculative step, so rows move between "off" and trees freely. Rows without
+a draft in step with the target (`synced`; e.g. a server without a head) count one token under any tree,
+and only rows in sync teach the statistics.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def _default_candidates() -> tuple[str, ...]:
     # A chain, a small, the default (TreeConfig(): what `generate` and fixed-tree serving use, so auto can
     # always match it) and a large tree.
     d = TreeConfig()
-    out = ["off", "3,1,4", "4,4,8", f"{d.depth},{d.topk},{d.tree_tokens}", "6,4,24"]
+    out = ["off", "3,1,4", "3,4,8", f"{d.depth},{d.topk},{d.tree_tokens}", "6,4,24"]
     return tuple(dict.fromkeys(out))
 
 
@@ -86,8 +87,12 @@ def tree_slack(trees: Iterable[TreeConfig | None]) -> int:
 
 
 def draft_extra(trees: Iterable[TreeConfig | None]) -> int:
-    """Extra draft-cache slots past the target's cache length (tree expansion scratch)."""
-    return max([(t.depth - 1) * t.topk + t.depth + 1 for t in trees if t is not None] + [0])
+    """Extra draft-cache slots past the target's cache length (tree expansion scratch, and room for the
+    catch-up after plain steps, which writes `speculative.CATCHUP` slots)."""
+    from eagle_jax.speculative import CATCHUP
+
+    need = [(t.depth - 1) * t.topk + t.depth + 1 for t in trees if t is not None]
+    return max(need + [CATCHUP]) if need else 0
 
 
 # --- cost profiles ----------------------------------------------------------------------------------
@@ -176,11 +181,11 @@ def _stepper(target, head, candidates, batch: int, cache_len: int, draft_len: in
 
     def step(s, tree):
         # Back to `context` committed tokens each time (separate arrays: both caches are donated).
-        s = speculative.SpecState(s.cache.replace(lengths=jnp.full((batch,), context, jnp.int32)),
-                                  s.draft_cache.replace(lengths=jnp.full((batch,), context, jnp.int32)),
-                                  s.root, s.root_hidden)
+        s = s.replace(cache=s.cache.replace(lengths=jnp.full((batch,), context, jnp.int32)),
+                      draft_cache=s.draft_cache.replace(lengths=jnp.full((batch,), context, jnp.int32)),
+                      lag_n=jnp.zeros((batch,), jnp.int32))
         if tree is None:
-            s, _, count = speculative.verify_step(g, st, s, params, active)
+            s, _, count = speculative.verify_step(g, st, s, params, active, hg, hs)
         else:
             s, _, count = speculative.spec_step(g, st, hg, hs, s, params, active, tree)
         count.block_until_ready()

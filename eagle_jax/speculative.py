@@ -5,6 +5,10 @@ Carried state per row (all static shapes, `SpecState`):
   draft cache    one pair (feature_i, token_{i+1}) per position i < L, so it is in step with the target
   root           the last emitted token (position L); the next tree hangs from it
   root_hidden    the draft's prediction of the feature at position L (its logits propose position L+1)
+  lag_*          pairs (feature_i, token_{i+1}) of plain steps the draft has not consumed yet (lag_n per
+                 row, at most CATCHUP): a plain step (`verify_step` with the head) keeps the target's
+                 features here instead of running the draft, and the next speculative step (or a full
+                 buffer) runs the draft over them once, so a row stepped plainly can speculate again
 
 A step: draft the tree from (root, root_hidden) -> verify all N tree tokens with the target in one
 forward (tree mask, positions L + depth) -> accept (lossless, `eagle_jax.accept`) -> move the accepted
@@ -39,14 +43,44 @@ from eagle_jax.tree import TreeConfig, select_tree
 ACCEPT_RULE = "exact"
 
 
+# Plain steps a row's draft may fall behind before a plain step runs the draft over them (one draft
+# forward over CATCHUP pairs: about 1/CATCHUP of a draft step per plain step).
+CATCHUP = 16
+
+
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["cache", "draft_cache", "root", "root_hidden"], meta_fields=[])
+                   data_fields=["cache", "draft_cache", "root", "root_hidden", "lag_feats", "lag_tokens", "lag_n"],
+                   meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class SpecState:
     cache: KVCache
     draft_cache: KVCache
     root: jax.Array  # [B] int32
     root_hidden: jax.Array  # [B, H]
+    lag_feats: jax.Array  # [B, CATCHUP, F] target features the draft has not consumed ([B, 0, 1] headless)
+    lag_tokens: jax.Array  # [B, CATCHUP] the token after each of them
+    lag_n: jax.Array  # [B] int32: how many are held
+
+    def replace(self, **kw) -> "SpecState":
+        return dataclasses.replace(self, **kw)
+
+
+def no_lag(batch: int, head_cfg=None, dtype=jnp.float32):
+    """Empty catch-up fields (lag_feats, lag_tokens, lag_n) for a batch; zero-width without a head."""
+    width, feat = (CATCHUP, head_cfg.feature_size) if head_cfg is not None else (0, 1)
+    return dict(lag_feats=jnp.zeros((batch, width, feat), dtype), lag_tokens=jnp.zeros((batch, width), jnp.int32),
+                lag_n=jnp.zeros((batch,), jnp.int32))
+
+
+def catch_up(target, head, s: SpecState) -> SpecState:
+    """Runs the draft over each row's held pairs (one forward over CATCHUP inputs; rows holding none
+    commit nothing) and commits them, so every row's draft is in step with its target again."""
+    h, dcache = head(target, s.lag_feats, s.lag_tokens, s.draft_cache, fuse=True)
+    n = s.lag_n
+    last = jnp.take_along_axis(h, jnp.maximum(n - 1, 0)[:, None, None], axis=1)[:, 0]
+    return s.replace(draft_cache=dcache.replace(lengths=s.draft_cache.lengths + n),
+                     root_hidden=jnp.where((n > 0)[:, None], last.astype(s.root_hidden.dtype), s.root_hidden),
+                     lag_n=jnp.zeros_like(n))
 
 
 def target_features(out, head_cfg):
@@ -78,7 +112,7 @@ def spec_prefill(graphdef, state, head_graphdef, head_state, tokens, prompt_lens
     h, draft_cache = head(target, target_features(out, head.cfg), nxt, draft_cache, fuse=True)
     root_hidden = jnp.take_along_axis(h, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
     return SpecState(out.cache.replace(lengths=prompt_lens), draft_cache.replace(lengths=prompt_lens),
-                     root, root_hidden)
+                     root, root_hidden, **no_lag(tokens.shape[0], head.cfg, root_hidden.dtype))
 
 
 def draft_tree(target, head, s: SpecState, tree: TreeConfig):
@@ -136,6 +170,8 @@ def spec_step(graphdef, state, head_graphdef, head_state, s: SpecState, params: 
     target = nnx.merge(graphdef, state)
     head = nnx.merge(head_graphdef, head_state)
     b = s.root.shape[0]
+    # Rows stepped plainly since their last speculative step: their draft consumes those pairs first.
+    s = jax.lax.cond(jnp.any(s.lag_n > 0), lambda x: catch_up(target, head, x), lambda x: x, s)
     d = tree.depth if tree.tree_tokens > 1 else 0
     if tree.tree_tokens > 1:
         t = draft_tree(target, head, s, tree)
@@ -159,7 +195,7 @@ def spec_step(graphdef, state, head_graphdef, head_state, s: SpecState, params: 
     feats = jnp.take_along_axis(target_features(out, head.cfg), acc.path[:, :, None], axis=1)
     h, dcache = head(target, feats, nxt, s.draft_cache, fuse=True)
     root_hidden = jnp.take_along_axis(h, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
-    new = SpecState(
+    new = s.replace(
         cache=cache,
         draft_cache=dcache.replace(lengths=s.draft_cache.lengths + count),
         root=jnp.where(active, acc.bonus, s.root),
@@ -187,7 +223,7 @@ class SpecEngine:
         (`eagle_jax.harness.Harness`, as in the server) picks a tree from its default candidates or no
         speculation, from the step costs measured on this device for this batch and cache size (cached on
         disk, see `harness.load_or_measure`; `profile_dir` overrides where) and the acceptance seen so
-        far. A plain step leaves that row's draft behind, so the harness stops drafting for it."""
+        far. Rows move between plain steps and trees freely (the draft catches up on plain steps' tokens)."""
         from eagle_jax import harness
 
         policy = None
@@ -231,7 +267,6 @@ class SpecEngine:
                 on_token(r, int(root[r]))
         steps, counts, choices = 1, [], {}
         active = np.array([row.reason is None for row in rows] + [False] * (b - n))
-        synced = active.copy()  # rows whose draft is in step with the target (auto: plain steps break it)
         dispatched = 1  # target forwards started (the prefill is the first)
 
         def dispatch():
@@ -239,12 +274,13 @@ class SpecEngine:
             nonlocal st, dispatched
             step_tree = tree
             if policy is not None:
-                step_tree = policy.choose(b, int(active.sum()), int((active & synced).sum()),
-                                          int((active & synced & row_samples).sum())).tree
-            rows_in, observe_rows = active.copy(), active & synced
-            if step_tree is None:
-                st, emitted, count = verify_step(self.graphdef, self.state, st, params, jnp.asarray(rows_in))
-                synced[rows_in] = False
+                # Every row's draft is in step (plain steps leave their pairs for it to catch up on).
+                step_tree = policy.choose(b, int(active.sum()), int(active.sum()),
+                                          int((active & row_samples).sum())).tree
+            rows_in, observe_rows = active.copy(), active.copy()
+            if step_tree is None:  # a plain step; the draft catches up later (see verify_step)
+                st, emitted, count = verify_step(self.graphdef, self.state, st, params, jnp.asarray(rows_in),
+                                                 self.head_graphdef, self.head_state)
             else:
                 st, emitted, count = spec_step(self.graphdef, self.state, self.head_graphdef, self.head_state, st,
                                                params, jnp.asarray(rows_in), step_tree)
@@ -319,33 +355,49 @@ def headless_parts(batch: int):
     return KVCache((), (), jnp.zeros((batch,), jnp.int32)), jnp.zeros((batch, 1), jnp.float32)
 
 
+def headless_state(cache: KVCache, root) -> SpecState:
+    """A SpecState for a target served without a head (empty draft parts)."""
+    dcache, root_hidden = headless_parts(root.shape[0])
+    return SpecState(cache, dcache, root, root_hidden, **no_lag(root.shape[0]))
+
+
 def empty_state(target, head, batch: int, cache_len: int, draft_len: int) -> SpecState:
     """A SpecState of `batch` rows that hold nothing (lengths 0)."""
+    cache, root = target.model.init_cache(batch, cache_len), jnp.zeros((batch,), jnp.int32)
     if head is None:
-        dcache, root_hidden = headless_parts(batch)
-    else:
-        dcache = head.init_cache(batch, draft_len)
-        root_hidden = jnp.zeros((batch, head.cfg.hidden_size), head.dtype)
-    return SpecState(target.model.init_cache(batch, cache_len), dcache, jnp.zeros((batch,), jnp.int32), root_hidden)
+        return headless_state(cache, root)
+    return SpecState(cache, head.init_cache(batch, draft_len), root, jnp.zeros((batch, head.cfg.hidden_size), head.dtype),
+                     **no_lag(batch, head.cfg, head.dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("s",))
-def verify_step(graphdef, state, s: SpecState, params: SamplingParams, active):
+@functools.partial(jax.jit, static_argnames=("graphdef", "head_graphdef"), donate_argnames=("s",))
+def verify_step(graphdef, state, s: SpecState, params: SamplingParams, active, head_graphdef=None, head_state=None):
     """A plain decode step over a SpecState: feed each row's root, sample the next token, commit one slot.
 
-    The draft cache and root_hidden are left as they are, so the draft falls behind the target for the
-    rows stepped here: trees drafted for them later are poor (low acceptance) but still lossless, since
-    verification never trusts the draft. Same math and sampling positions as `engine.decode_step`.
+    With the head (`head_graphdef`, `head_state`), the step keeps the target's features of the root
+    and the sampled token as a pair the draft has not consumed (`lag_*`); when a row holds CATCHUP of
+    them the draft runs over them here (`catch_up`), and the next `spec_step` consumes what is left,
+    so rows stepped plainly can speculate again at any step. Without it the draft cache and
+    root_hidden are left as they are and the draft falls behind for these rows: trees drafted for
+    them later are poor (low acceptance) but still lossless, since verification never trusts the
+    draft. Same math and sampling positions as `engine.decode_step`.
     Returns (new state, emitted [B, 1], count [B]) like `spec_step`.
     """
     TRACE_COUNTS["verify_step"] += 1
     model = nnx.merge(graphdef, state)
+    head = None if head_graphdef is None else nnx.merge(head_graphdef, head_state)
     length = s.cache.lengths
-    out = model(s.root[:, None], s.cache, logits_at=jnp.zeros_like(s.root))
+    out = model(s.root[:, None], s.cache, logits_at=jnp.zeros_like(s.root),
+                capture_layers=() if head is None else _capture(head.cfg))
     token = sample(out.logits, params, length + 1)
     count = active.astype(jnp.int32)
-    new = SpecState(out.cache.replace(lengths=length + count), s.draft_cache, jnp.where(active, token, s.root),
-                    s.root_hidden)
+    new = s.replace(cache=out.cache.replace(lengths=length + count), root=jnp.where(active, token, s.root))
+    if head is not None:
+        rows, at = jnp.arange(token.shape[0]), jnp.where(active, s.lag_n, CATCHUP)  # inactive rows: dropped
+        feat = target_features(out, head.cfg)[:, 0].astype(s.lag_feats.dtype)
+        new = new.replace(lag_feats=s.lag_feats.at[rows, at].set(feat, mode="drop"),
+                          lag_tokens=s.lag_tokens.at[rows, at].set(token, mode="drop"), lag_n=s.lag_n + count)
+        new = jax.lax.cond(jnp.any(new.lag_n >= CATCHUP), lambda x: catch_up(model, head, x), lambda x: x, new)
     return new, token[:, None], count
 
 
@@ -364,4 +416,5 @@ def take_rows(s: SpecState, rows) -> SpecState:
     keep = rows >= 0
     out = jax.tree_util.tree_map(lambda a: jnp.take(a, jnp.maximum(rows, 0), axis=0), s)
     clear = lambda c: c.replace(lengths=jnp.where(keep, c.lengths, 0))
-    return SpecState(clear(out.cache), clear(out.draft_cache), out.root, out.root_hidden)
+    return out.replace(cache=clear(out.cache), draft_cache=clear(out.draft_cache),
+                       lag_n=jnp.where(keep, out.lag_n, 0))

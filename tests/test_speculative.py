@@ -267,6 +267,67 @@ def test_switching_tree_configs_between_steps_needs_no_recompile_and_stays_lossl
     assert [o[:30] for o in out] == plain
 
 
+@pytest.mark.parametrize("plain", [5, speculative.CATCHUP + 3], ids=["held", "past-a-full-buffer"])
+def test_plain_steps_leave_pairs_the_draft_catches_up_on(deep_target, plain):
+    """A plain step with the head keeps the target's features; the draft consumes them at the next
+    speculative step (or when CATCHUP are held) and ends where a draft refreshed every step ends."""
+    from eagle_jax.sampling import SamplingParams
+
+    tgt = deep_target
+    head = random_head(tgt.cfg, "eagle3", seed=5, draft_vocab_size=60)
+    eng = speculative.SpecEngine(tgt, head)
+    prompts = MORE_PROMPTS[:2]
+    b, s_len = 2, 96
+    tokens = np.zeros((b, 24), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    params = SamplingParams.make(b)
+    sync = TreeConfig(1, 1, 1)  # verify the root only, refreshing the draft every step
+    parts = (eng.graphdef, eng.state, eng.head_graphdef, eng.head_state)
+
+    def prefill():
+        return speculative.spec_prefill(*parts, jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts], jnp.int32),
+                                        tgt.model.init_cache(b, s_len), head.init_cache(b, s_len + 32), params)
+
+    # Row 1 sits out the first two steps (inactive rows hold nothing and commit nothing).
+    masks = [jnp.asarray([True, i >= 2]) for i in range(plain)]
+    a, ref, emitted_a, emitted_ref = prefill(), prefill(), [], []
+    for m in masks:
+        a, e, c = speculative.verify_step(eng.graphdef, eng.state, a, params, m, eng.head_graphdef, eng.head_state)
+        emitted_a.append((np.asarray(e)[:, 0] * np.asarray(c)).tolist())
+        ref, e, c = speculative.spec_step(*parts, ref, params, m, sync)
+        emitted_ref.append((np.asarray(e)[:, 0] * np.asarray(c)).tolist())
+    assert emitted_a == emitted_ref
+    held = np.zeros(b, int)  # a row reaching CATCHUP makes the draft catch up on every row
+    for m in masks:
+        held += np.asarray(m)
+        held = held * (held.max() < speculative.CATCHUP)
+    np.testing.assert_array_equal(np.asarray(a.lag_n), held)
+    assert held.sum() > 0 and (plain < speculative.CATCHUP or held.max() < plain - 2)
+    np.testing.assert_array_equal(np.asarray(a.draft_cache.lengths) + np.asarray(a.lag_n),
+                                  np.asarray(ref.draft_cache.lengths))
+
+    def same_draft(x, y):
+        np.testing.assert_array_equal(np.asarray(x.lag_n), [0, 0])
+        np.testing.assert_array_equal(np.asarray(x.draft_cache.lengths), np.asarray(y.draft_cache.lengths))
+        np.testing.assert_allclose(np.asarray(x.root_hidden), np.asarray(y.root_hidden), atol=1e-4)
+        for r, n in enumerate(np.asarray(y.draft_cache.lengths)):
+            for u, v in zip(x.draft_cache.k + x.draft_cache.v, y.draft_cache.k + y.draft_cache.v):
+                np.testing.assert_allclose(np.asarray(u)[r, :n], np.asarray(v)[r, :n], atol=1e-4)
+
+    from flax import nnx
+
+    caught_up = jax.jit(lambda s: speculative.catch_up(nnx.merge(eng.graphdef, eng.state),
+                                                       nnx.merge(eng.head_graphdef, eng.head_state), s))
+    same_draft(caught_up(jax.tree_util.tree_map(jnp.copy, a)), ref)
+    # A speculative step catches up first, then steps exactly like the reference.
+    a, e_a, c_a = speculative.spec_step(*parts, a, params, jnp.ones((b,), bool), TreeConfig.chain(2))
+    ref, e_r, c_r = speculative.spec_step(*parts, ref, params, jnp.ones((b,), bool), TreeConfig.chain(2))
+    np.testing.assert_array_equal(np.asarray(c_a), np.asarray(c_r))
+    np.testing.assert_array_equal(np.asarray(e_a), np.asarray(e_r))
+    same_draft(a, ref)
+
+
 # --- tree="auto": the harness picks a tree or a plain step every step ----------------------------------
 
 def _profile(tmp_path, tgt, head, b, s_len, extra, seconds):

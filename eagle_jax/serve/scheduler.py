@@ -144,7 +144,7 @@ class Scheduler:
         # Loop-thread state.
         self.state: speculative.SpecState | None = None
         self.slots: list[Request | None] = []
-        self.synced = np.zeros(0, bool)  # row's draft cache is in step with its target cache
+        self.synced = np.zeros(0, bool)  # row has a draft in step with its target (plain steps keep it so)
         self._params = None  # device SamplingParams for the current slots
         self._small_steps = 0
         self.last_batch = 0
@@ -361,8 +361,7 @@ class Scheduler:
         if self.head is None:
             root, cache = engine.prefill_step(self.graphdef, self.params_state, jnp.asarray(tokens), jnp.asarray(lens),
                                               cache, params)
-            dcache, root_hidden = speculative.headless_parts(b)
-            return speculative.SpecState(cache, dcache, root, root_hidden)
+            return speculative.headless_state(cache, root)
         return speculative.spec_prefill(self.graphdef, self.params_state, self.head_graphdef, self.head_state,
                                         jnp.asarray(tokens), jnp.asarray(lens), cache,
                                         self.head.init_cache(b, self.draft_len), params)
@@ -399,7 +398,8 @@ class Scheduler:
         try:
             if choice.tree is None:
                 self.state, emitted, count = speculative.verify_step(self.graphdef, self.params_state, self.state,
-                                                                     params, jnp.asarray(active))
+                                                                     params, jnp.asarray(active),
+                                                                     self.head_graphdef, self.head_state)
             else:
                 self.state, emitted, count = speculative.spec_step(
                     self.graphdef, self.params_state, self.head_graphdef, self.head_state, self.state, params,
@@ -420,8 +420,6 @@ class Scheduler:
         self.last_batch = n_active
         observed = [r for r in range(bucket) if active[r] and self.synced[r]]
         self.policy.observe(choice.tree, [int(count[r]) for r in observed], [bool(samples[r]) for r in observed])
-        if choice.tree is None:
-            self.synced[:] = False  # the draft was not refreshed
         tokens = 0
         for slot in range(bucket):
             if active[slot]:
@@ -493,7 +491,8 @@ class Scheduler:
             for tree in trees:
                 s = speculative.empty_state(self.target, self.head, b, self.cache_len, self.draft_len)
                 if tree is None:
-                    out = speculative.verify_step(self.graphdef, self.params_state, s, params, active)
+                    out = speculative.verify_step(self.graphdef, self.params_state, s, params, active,
+                                                  self.head_graphdef, self.head_state)
                 else:
                     out = speculative.spec_step(self.graphdef, self.params_state, self.head_graphdef,
                                                 self.head_state, s, params, active, tree)
