@@ -10,9 +10,9 @@ Two ingredients:
   the numbers; `reprofile=True` measures again.
 * **running acceptance statistics** (`AcceptanceStats`, one set for greedy rows and one for sampled
   rows, whose acceptance is much lower): tokens each row emitted per step under each
-  candidate (an exponentially decayed mean), and per-depth conditional acceptance rates pooled over
-  every candidate that ran (a decayed, censoring-aware estimate: a row that accepted its whole tree
-  says nothing about deeper levels). A candidate's expected tokens per row blend its own mean with the
+  candidate (an exponentially decayed mean), and per-depth conditional acceptance rates per tree
+  width (top-k), pooled over the candidates of that width that ran (a decayed, censoring-aware
+  estimate: a row that accepted its whole tree says nothing about deeper levels). A candidate's expected tokens per row blend its own mean with the
   per-depth model 1 + sum_j prod_{i<=j} alpha_i, so candidates that did not run recently are still
   estimated, and an optimism bonus that shrinks with evidence makes the harness try them again now
   and then (exploration).
@@ -50,6 +50,7 @@ from eagle_jax.tree import TreeConfig
 log = logging.getLogger("eagle_jax.harness")
 
 OFF = "off"
+SAMPLED = ":sampled"  # a profile entry "<candidate>:sampled" is that step's cost when a row samples
 
 
 def _default_candidates() -> tuple[str, ...]:
@@ -104,11 +105,14 @@ class Profile:
     meta: dict
     source: str = "given"  # "measured" | "cache" | "given"
 
-    def cost(self, bucket: int, name: str) -> float:
-        """Step seconds at `bucket` (the nearest profiled bucket at or above it, else the largest)."""
+    def cost(self, bucket: int, name: str, sampled: bool = False) -> float:
+        """Step seconds at `bucket` (the nearest profiled bucket at or above it, else the largest); with
+        `sampled`, of a step where some row samples (its acceptance and draws cost more), when measured."""
         buckets = sorted(self.seconds)
         b = next((x for x in buckets if x >= bucket), buckets[-1])
         row = self.seconds[b]
+        if sampled and name + SAMPLED in row:
+            return row[name + SAMPLED]
         if name not in row:
             raise KeyError(f"cost profile has no candidate {name!r} (has {', '.join(row)})")
         return row[name]
@@ -151,7 +155,7 @@ def profile_key(target, head, buckets: Sequence[int], candidates: Sequence[str],
         "model": target.name, "model_cfg": repr(target.cfg), "model_dtype": str(target.model.dtype),
         "head_cfg": None if head is None else repr(head.cfg), "head_dtype": None if head is None else str(head.dtype),
         "buckets": list(buckets), "candidates": list(candidates), "cache_len": int(cache_len),
-        "method": 2,  # bumped when the measurement changes (2: interleaved rounds), so old caches are remeasured
+        "method": 3,  # bumped when the measurement changes (2: interleaved rounds; 3: sampled steps too)
     }
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", target.name)[:40]
@@ -164,8 +168,9 @@ def default_cache_dir() -> Path:
 
 
 def _stepper(target, head, candidates, batch: int, cache_len: int, draft_len: int, context: int):
-    """(state, step): an empty SpecState of these shapes and a function running one step of one of the
-    `candidates` on it (rows reset to `context` committed tokens first), blocking until it is done."""
+    """(state, step): an empty SpecState of these shapes and a function step(state, tree, sampled=False)
+    running one step of one of the `candidates` on it (rows reset to `context` committed tokens first;
+    every row greedy, or every row sampling at temperature 1), blocking until it is done."""
     from flax import nnx
 
     from eagle_jax import speculative
@@ -175,11 +180,12 @@ def _stepper(target, head, candidates, batch: int, cache_len: int, draft_len: in
         raise ValueError("speculation candidates need a draft head")
     g, st = nnx.split(target.model)
     hg, hs = nnx.split(head) if head is not None else (None, None)
-    params = SamplingParams.make(batch)
+    kinds = {False: SamplingParams.make(batch), True: SamplingParams.make(batch, 1.0, seed=np.arange(batch))}
     active = jnp.ones((batch,), bool)
     state = speculative.empty_state(target, head, batch, cache_len, draft_len)
 
-    def step(s, tree):
+    def step(s, tree, sampled=False):
+        params = kinds[sampled]
         # Back to `context` committed tokens each time (separate arrays: both caches are donated).
         s = s.replace(cache=s.cache.replace(lengths=jnp.full((batch,), context, jnp.int32)),
                       draft_cache=s.draft_cache.replace(lengths=jnp.full((batch,), context, jnp.int32)),
@@ -205,21 +211,24 @@ def compile_candidates(target, head, batch: int, candidates: Sequence[TreeConfig
 
 def measure_profile(target, head, buckets: Sequence[int], candidates: Sequence[TreeConfig | None], cache_len: int,
                     draft_len: int, reps: int = 9, context: int | None = None) -> dict[int, dict[str, float]]:
-    """Median seconds of one step per (bucket, candidate), rows filled to `context` tokens (greedy)."""
+    """Median seconds of one step per (bucket, candidate), rows filled to `context` tokens: every row
+    greedy ("<name>") and every row sampling ("<name>:sampled")."""
     ctx = int(context if context is not None else max(1, cache_len // 4))
     out: dict[int, dict[str, float]] = {}
+    runs = [(t, sampled) for sampled in (False, True) for t in candidates]
+    label = lambda t, sampled: candidate_name(t) + (SAMPLED if sampled else "")
     for b in buckets:
         state, step = _stepper(target, head, candidates, b, cache_len, draft_len, ctx)
-        for tree in candidates:
-            state = step(step(state, tree), tree)  # compile, warm
+        for tree, sampled in runs:
+            state = step(step(state, tree, sampled), tree, sampled)  # compile, warm
         # Rounds over all candidates, so a burst of load from elsewhere on the machine inflates every
         # candidate's time alike instead of one candidate's; the median over rounds drops the bursts.
-        times = {candidate_name(t): [] for t in candidates}
+        times = {label(t, sampled): [] for t, sampled in runs}
         for _ in range(reps):
-            for tree in candidates:
+            for tree, sampled in runs:
                 t0 = time.perf_counter()
-                state = step(state, tree)
-                times[candidate_name(tree)].append(time.perf_counter() - t0)
+                state = step(state, tree, sampled)
+                times[label(tree, sampled)].append(time.perf_counter() - t0)
         row = {name: float(np.median(ts)) for name, ts in times.items()}
         for name, sec in row.items():
             log.info("harness profile: batch %d %-10s %.2f ms", b, name, sec * 1e3)
@@ -271,21 +280,36 @@ class Choice:
 
 
 class AcceptanceStats:
-    """Decayed running statistics of how many tokens rows emit per step (see the module docstring)."""
+    """Decayed running statistics of how many tokens rows emit per step (see the module docstring).
+
+    Per-depth acceptance is kept per tree width (top-k): a chain proposes one token per level and a
+    top-4 tree four, so their rates differ, and pooling them would misjudge one from the other (a head
+    seen only through chains looks poor to a wider tree, and the chains' evidence would stop the harness
+    from trying the tree). A width with little evidence leans on the pooled rates as its prior."""
 
     def __init__(self, max_depth: int, decay: float = 0.998, prior_accept: float = 0.5, prior_strength: float = 2.0,
                  blend: float = 4.0):
         self.decay, self.prior_accept, self.prior_strength, self.blend = decay, prior_accept, prior_strength, blend
-        self.reached = np.zeros(max_depth + 1)  # [j]: row-steps whose tree could accept depth j
-        self.passed = np.zeros(max_depth + 1)  # [j]: ... that accepted depth j
+        self.max_depth = max_depth
+        self.reached_by_width: dict[int, np.ndarray] = {}  # top-k -> [j]: row-steps whose tree could accept depth j
+        self.passed_by_width: dict[int, np.ndarray] = {}  # top-k -> [j]: ... that accepted depth j
         self.sum: dict[str, float] = {}
         self.n: dict[str, float] = {}
         self.tau_ema: float | None = None  # tokens per synced row per speculative step
 
+    @property
+    def reached(self) -> np.ndarray:
+        return sum(self.reached_by_width.values(), np.zeros(self.max_depth + 1))
+
+    @property
+    def passed(self) -> np.ndarray:
+        return sum(self.passed_by_width.values(), np.zeros(self.max_depth + 1))
+
     def observe(self, tree: TreeConfig | None, counts: Sequence[int]) -> None:
         """One step: counts = tokens emitted by each row whose draft was in sync (incl. the bonus)."""
-        self.reached *= self.decay
-        self.passed *= self.decay
+        for arrays in (self.reached_by_width, self.passed_by_width):
+            for a in arrays.values():
+                a *= self.decay
         for k in self.n:
             self.n[k] *= self.decay
             self.sum[k] *= self.decay
@@ -296,18 +320,26 @@ class AcceptanceStats:
         self.sum[name] = self.sum.get(name, 0.0) + float(c.sum())
         self.n[name] = self.n.get(name, 0.0) + len(c)
         accepted = c - 1
-        for j in range(1, min(tree.depth, len(self.reached) - 1) + 1):
-            self.reached[j] += float(np.sum(accepted >= j - 1))
-            self.passed[j] += float(np.sum(accepted >= j))
+        reached = self.reached_by_width.setdefault(tree.topk, np.zeros(self.max_depth + 1))
+        passed = self.passed_by_width.setdefault(tree.topk, np.zeros(self.max_depth + 1))
+        for j in range(1, min(tree.depth, self.max_depth) + 1):
+            reached[j] += float(np.sum(accepted >= j - 1))
+            passed[j] += float(np.sum(accepted >= j))
         mean = float(c.mean())
         self.tau_ema = mean if self.tau_ema is None else 0.9 * self.tau_ema + 0.1 * mean
 
-    def alpha(self) -> np.ndarray:
-        """Per-depth conditional acceptance rates [max_depth + 1] (index 0 unused)."""
-        return (self.passed + self.prior_accept * self.prior_strength) / (self.reached + self.prior_strength)
+    def alpha(self, width: int | None = None) -> np.ndarray:
+        """Per-depth conditional acceptance rates [max_depth + 1] (index 0 unused): pooled over every
+        tree width, or for trees of top-k `width` (with the pooled rates as its prior)."""
+        pooled = (self.passed + self.prior_accept * self.prior_strength) / (self.reached + self.prior_strength)
+        if width is None:
+            return pooled
+        zero = np.zeros(self.max_depth + 1)
+        reached, passed = self.reached_by_width.get(width, zero), self.passed_by_width.get(width, zero)
+        return (passed + pooled * self.prior_strength) / (reached + self.prior_strength)
 
     def model_tokens(self, tree: TreeConfig) -> float:
-        a = self.alpha()
+        a = self.alpha(tree.topk)
         return 1.0 + float(np.sum(np.cumprod(a[1: tree.depth + 1])))
 
     def expected_tokens(self, tree: TreeConfig | None) -> float:
@@ -319,7 +351,9 @@ class AcceptanceStats:
         return (self.sum.get(name, 0.0) + self.blend * self.model_tokens(tree)) / (n + self.blend)
 
     def evidence(self, tree: TreeConfig) -> float:
-        return self.n.get(candidate_name(tree), 0.0) + float(self.reached[1])
+        """How much is known about `tree`: its own steps and the depth-1 trials of trees of its width."""
+        reached = self.reached_by_width.get(tree.topk)
+        return self.n.get(candidate_name(tree), 0.0) + (float(reached[1]) if reached is not None else 0.0)
 
 
 class FixedPolicy:
@@ -404,10 +438,10 @@ class Harness:
         if not 0 <= sampled <= synced <= active:
             raise ValueError(f"choose: need 0 <= sampled ({sampled}) <= synced ({synced}) <= active ({active})")
         best, best_rate = None, -1.0
-        off_rate = active / self.profile.cost(bucket, OFF)
+        off_rate = active / self.profile.cost(bucket, OFF, sampled > 0)
         rates = {}
         for tree in self.candidates:
-            cost = self.profile.cost(bucket, candidate_name(tree))
+            cost = self.profile.cost(bucket, candidate_name(tree), sampled > 0)
             rate = self._tokens(tree, active, synced, bonus=False, sampled=sampled) / cost
             rates[candidate_name(tree)] = rate
             if tree is not None and rate < off_rate * (1.0 + self.margin):
@@ -417,13 +451,13 @@ class Harness:
         explore = False
         if synced > 0:  # optimism about rarely tried trees; only rows in sync can teach us anything
             for tree in self.candidates[1:]:
-                cost = self.profile.cost(bucket, candidate_name(tree))
+                cost = self.profile.cost(bucket, candidate_name(tree), sampled > 0)
                 rate = self._tokens(tree, active, synced, bonus=True, sampled=sampled) / cost
                 if rate > best_rate * (1.0 + self.margin) and tree is not best:
                     best, best_rate, explore = tree, rate, True
         name = candidate_name(best)
         choice = Choice(name, best, self._tokens(best, active, synced, bonus=False, sampled=sampled),
-                        self.profile.cost(bucket, name), explore)
+                        self.profile.cost(bucket, name, sampled > 0), explore)
         self.counts[name] = self.counts.get(name, 0) + 1
         if self.last.get(bucket) != name:
             # Changes are logged at INFO at most every few seconds per bucket (choices can flip every step).
@@ -433,7 +467,7 @@ class Harness:
                 self.logged_at[bucket] = now
             log.log(level, "harness: batch bucket %d, %d rows (%d in sync): %s%s, expected %.2f tokens/step in "
                     "%.2f ms (off: %.2f ms)", bucket, active, synced, name, " (exploring)" if explore else "",
-                    choice.expected_tokens, choice.seconds * 1e3, self.profile.cost(bucket, OFF) * 1e3)
+                    choice.expected_tokens, choice.seconds * 1e3, self.profile.cost(bucket, OFF, sampled > 0) * 1e3)
             self.last[bucket] = name
         self.last_choice = choice
         return choice
@@ -448,6 +482,7 @@ class Harness:
 
         def part(st):
             return {"tau_ema": st.tau_ema, "alpha": st.alpha()[1:].tolist(),
+                    "alpha_by_width": {str(k): st.alpha(k)[1:].tolist() for k in sorted(st.reached_by_width)},
                     "expected_tokens_per_row": {candidate_name(t): st.expected_tokens(t) for t in self.candidates}}
         return {"mode": "auto", "candidates": [candidate_name(t) for t in self.candidates],
                 **part(self.stats), "sampled": part(self.sampled_stats), "choices": dict(self.counts),

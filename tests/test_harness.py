@@ -27,12 +27,12 @@ FLAT = profile_from(lambda b, n: 0.01 * (1 + 0.002 * n))  # an accelerator far f
 
 
 def good_head_stats(alpha=0.8, steps=200, rows=8, seed=0):
-    """Statistics after `steps` steps of the deepest tree with a head whose drafts are accepted with
+    """Statistics after `steps` steps of each tree in turn with a head whose drafts are accepted with
     probability `alpha` at every depth."""
     rng = np.random.default_rng(seed)
     stats = AcceptanceStats(max_depth=6)
-    tree = TREES[-1]
-    for _ in range(steps):
+    for i in range(steps):
+        tree = TREES[i % len(TREES)]
         accepted = np.minimum(rng.geometric(1 - alpha, size=rows) - 1, tree.depth)
         stats.observe(tree, (accepted + 1).tolist())
     return stats
@@ -106,6 +106,37 @@ def test_acceptance_rates_are_censored_at_the_tree_depth():
     assert stats.model_tokens(TreeConfig.chain(4)) == pytest.approx(1 + 0.75 + 0.5 + 0.25 + 0.125, abs=0.02)
 
 
+def test_acceptance_is_modelled_per_tree_width():
+    chain, tree = TreeConfig.chain(3), TreeConfig(3, 4, 8)
+    stats = AcceptanceStats(max_depth=6)
+    for _ in range(300):  # many chain steps: the top-1 draft is accepted 40% of the time at every depth
+        stats.observe(chain, [1, 1, 1, 2, 2, 3, 1, 1, 4, 1])  # accepted 0,0,0,1,1,2,0,0,3,0
+    assert stats.alpha(1)[1] == pytest.approx(0.4, abs=0.01)
+    # A top-4 tree has barely run, but its width's rates lean on the chains' only as a weak prior, and
+    # the chains' evidence is not its own, so the optimism bonus still asks for a look at it.
+    assert stats.evidence(tree) == 0 and stats.evidence(chain) > 100
+    for _ in range(10):
+        stats.observe(tree, [3, 4, 2, 3])  # accepted 2, 3, 1, 2 of 3 levels
+    assert stats.alpha(4)[1] > 0.85 and stats.alpha(1)[1] == pytest.approx(0.4, abs=0.02)
+    assert stats.model_tokens(tree) > 2.5 > 1.75 > stats.model_tokens(chain)
+    h = Harness([chain, tree], Profile("p", {1: {"off": 0.010, "d3k1n4": 0.015, "d3k4n8": 0.017}}, {}), stats=stats)
+    assert h.choose(1, 1, 1).name == "d3k4n8"
+
+
+def test_a_batch_with_sampling_rows_is_costed_as_one():
+    tree = TreeConfig.chain(3)
+    prof = Profile("p", {1: {"off": 0.010, "d3k1n4": 0.015, "off:sampled": 0.011, "d3k1n4:sampled": 0.040}}, {})
+    stats = AcceptanceStats(max_depth=3)
+    for _ in range(300):
+        stats.observe(tree, [3])
+    h = Harness([tree], prof, stats=stats, sampled_stats=stats)  # the same acceptance for both kinds
+    assert h.choose(1, 1, 1).name == "d3k1n4"  # 3 tokens for 1.5x
+    c = h.choose(1, 1, 1, sampled=1)  # 3 tokens for 3.6x a plain step: plain is faster
+    assert c.name == "off" and c.seconds == pytest.approx(0.011)
+    assert prof.cost(1, "d3k1n4", sampled=True) == 0.040
+    assert Profile("q", {1: {"off": 0.01}}, {}).cost(1, "off", sampled=True) == 0.01  # not measured: greedy's
+
+
 def test_candidates_parse_from_strings():
     assert parse_candidate("off") is None and parse_candidate("4,4,16") == TreeConfig(4, 4, 16)
     assert parse_candidate("d5k4n12") == TreeConfig(5, 4, 12) and parse_candidate("3,2,1") is None
@@ -123,7 +154,8 @@ def test_cost_profile_is_measured_once_cached_on_disk_and_remeasured_on_request(
     kw = dict(cache_dir=tmp_path, reps=2)
     first = harness.load_or_measure(tgt, head, (1, 2), cands, 128, 140, **kw)
     assert first.source == "measured"
-    assert set(first.seconds) == {1, 2} and set(first.seconds[1]) == {"off", "d2k1n3"}
+    assert set(first.seconds) == {1, 2}
+    assert set(first.seconds[1]) == {"off", "d2k1n3", "off:sampled", "d2k1n3:sampled"}  # greedy and sampling rows
     assert all(s > 0 for row in first.seconds.values() for s in row.values())
     files = list(tmp_path.glob("*.json"))
     assert [f.name for f in files] == [first.key + ".json"]
