@@ -83,6 +83,19 @@ def catch_up(target, head, s: SpecState) -> SpecState:
                      lag_n=jnp.zeros_like(n))
 
 
+def catch_up_if(pred, target, head, s: SpecState) -> SpecState:
+    """`catch_up` where pred (a traced bool) holds. Only the draft's parts pass through the conditional:
+    handing it the whole state would copy the target's KV cache in and out on every step."""
+    parts = (s.draft_cache, s.root_hidden, s.lag_n)
+
+    def run(p):
+        x = catch_up(target, head, s.replace(draft_cache=p[0], root_hidden=p[1], lag_n=p[2]))
+        return x.draft_cache, x.root_hidden, x.lag_n
+
+    dcache, root_hidden, lag_n = jax.lax.cond(pred, run, lambda p: p, parts)
+    return s.replace(draft_cache=dcache, root_hidden=root_hidden, lag_n=lag_n)
+
+
 def target_features(out, head_cfg):
     """The features the head consumes from a target forward: [B, T, F]."""
     if head_cfg.kind == "eagle3":
@@ -171,7 +184,7 @@ def spec_step(graphdef, state, head_graphdef, head_state, s: SpecState, params: 
     head = nnx.merge(head_graphdef, head_state)
     b = s.root.shape[0]
     # Rows stepped plainly since their last speculative step: their draft consumes those pairs first.
-    s = jax.lax.cond(jnp.any(s.lag_n > 0), lambda x: catch_up(target, head, x), lambda x: x, s)
+    s = catch_up_if(jnp.any(s.lag_n > 0), target, head, s)
     d = tree.depth if tree.tree_tokens > 1 else 0
     if tree.tree_tokens > 1:
         t = draft_tree(target, head, s, tree)
@@ -397,7 +410,7 @@ def verify_step(graphdef, state, s: SpecState, params: SamplingParams, active, h
         feat = target_features(out, head.cfg)[:, 0].astype(s.lag_feats.dtype)
         new = new.replace(lag_feats=s.lag_feats.at[rows, at].set(feat, mode="drop"),
                           lag_tokens=s.lag_tokens.at[rows, at].set(token, mode="drop"), lag_n=s.lag_n + count)
-        new = jax.lax.cond(jnp.any(new.lag_n >= CATCHUP), lambda x: catch_up(model, head, x), lambda x: x, new)
+        new = catch_up_if(jnp.any(new.lag_n >= CATCHUP), model, head, new)
     return new, token[:, None], count
 
 
