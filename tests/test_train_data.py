@@ -106,6 +106,40 @@ def test_magpie_prompts_from_the_real_target_are_user_messages():
     assert len(set(prompts)) == 3
 
 
+@pytest.mark.slow
+def test_magpie_prompts_resume_from_their_checkpoint(tmp_path, monkeypatch):
+    import eagle_jax.engine
+
+    tgt = eagle_jax.load_target("smollm2-135m-instruct")
+    real, calls = eagle_jax.engine.generate, []
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(eagle_jax.engine, "generate", counted)
+    whole = data.magpie_prompts(tgt, 4, seed=7, max_tokens=48, batch_size=2)
+    batches, calls[:] = len(calls), []
+    assert batches >= 2
+    ckpt = tmp_path / "magpie.json"
+
+    def interrupted(*a, **k):
+        calls.append(1)
+        if len(calls) > 1:
+            raise KeyboardInterrupt  # the session ends during the second batch
+        return real(*a, **k)
+
+    monkeypatch.setattr(eagle_jax.engine, "generate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        data.magpie_prompts(tgt, 4, seed=7, max_tokens=48, batch_size=2, checkpoint=ckpt)
+    assert json.loads(ckpt.read_text())["attempt"] == 2
+    monkeypatch.setattr(eagle_jax.engine, "generate", counted)
+    calls[:] = []
+    assert data.magpie_prompts(tgt, 4, seed=7, max_tokens=48, batch_size=2, checkpoint=ckpt) == whole
+    assert len(calls) == batches - 1  # the first batch came from the checkpoint
+    assert not ckpt.exists()
+
+
 def test_online_and_offline_features_give_identical_batches(tiny_with_real_tokenizer, tmp_path):
     from eagle_jax.train import features as F
 

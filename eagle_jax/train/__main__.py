@@ -51,7 +51,8 @@ def load_recipe(path) -> dict:
     return recipe
 
 
-def build_prompts(target, sources, base: Path) -> list[str]:
+def build_prompts(target, sources, base: Path, checkpoint_dir: Path | None = None) -> list[str]:
+    """Prompts of `sources`; a magpie source saves its progress under `checkpoint_dir` (resumable)."""
     from eagle_jax.train import data
 
     prompts: list[str] = []
@@ -63,9 +64,12 @@ def build_prompts(target, sources, base: Path) -> list[str]:
         elif kind == "topics":
             prompts += data.topic_prompts(src["topics"])
         elif kind == "magpie":
+            ckpt = None if checkpoint_dir is None else checkpoint_dir / f"magpie-partial-{src.get('seed', 0)}.json"
+            if checkpoint_dir is not None:
+                checkpoint_dir.mkdir(parents=True, exist_ok=True)
             prompts += data.magpie_prompts(target, int(src.get("n", 64)), seed=int(src.get("seed", 0)),
                                            temperature=float(src.get("temperature", 1.0)),
-                                           batch_size=int(src.get("batch_size", 8)))
+                                           batch_size=int(src.get("batch_size", 8)), checkpoint=ckpt)
         else:
             raise RecipeError(f"data.sources[{i}]: unknown kind {kind!r} (jsonl, topics, magpie)")
     return prompts
@@ -95,7 +99,7 @@ def collect_prompts(target, sources: list, data_dir: Path, base: Path, recipe_na
     new = list(sources[len(recorded):])
     if new or not prompts_file.exists():
         for src in new:
-            built = build_prompts(target, [src], base)
+            built = build_prompts(target, [src], base, checkpoint_dir=data_dir)
             data.check_not_eval(built, source=f"{recipe_name} ({src.get('kind')} source)")
             prompts += built
             recorded.append({"source": src, "prompts": len(built)})

@@ -127,13 +127,23 @@ def user_turn_prefix(tokenizer) -> list[int]:
 
 
 def magpie_prompts(target, n: int, seed: int = 0, temperature: float = 1.0, max_tokens: int = 48,
-                   batch_size: int = 8) -> list[str]:
-    """User prompts written by the instruct target itself, sampled from its user-turn prefix."""
+                   batch_size: int = 8, checkpoint=None) -> list[str]:
+    """User prompts written by the instruct target itself, sampled from its user-turn prefix.
+
+    With `checkpoint` (a JSON path), progress is saved after every batch and a rerun continues from it
+    with the same result as an uninterrupted run; the file is removed when the prompts are complete.
+    """
     from eagle_jax.engine import generate
 
     prefix = user_turn_prefix(target.tokenizer)
     out: list[str] = []
     attempt = 0
+    ident = {"n": n, "seed": seed, "temperature": temperature, "max_tokens": max_tokens, "batch_size": batch_size}
+    ckpt = Path(checkpoint) if checkpoint is not None else None
+    if ckpt is not None and ckpt.exists():
+        saved = json.loads(ckpt.read_text())
+        if saved.get("settings") == ident:
+            out, attempt = list(saved["prompts"]), int(saved["attempt"])
     while len(out) < n and attempt < 4 * n:
         k = min(batch_size, n - len(out))
         r = generate(target, [prefix] * k, max_new_tokens=max_tokens, temperature=temperature, top_p=0.95,
@@ -143,6 +153,12 @@ def magpie_prompts(target, n: int, seed: int = 0, temperature: float = 1.0, max_
             text = text.strip()
             if reason == "stop" and len(text) >= 8:  # ended its turn with a real message
                 out.append(text)
+        if ckpt is not None:
+            tmp = ckpt.with_name(ckpt.name + ".tmp")
+            tmp.write_text(json.dumps({"settings": ident, "attempt": attempt, "prompts": out}))
+            os.replace(tmp, ckpt)
+    if ckpt is not None and ckpt.exists():
+        ckpt.unlink()
     return out[:n]
 
 
