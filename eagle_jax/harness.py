@@ -296,6 +296,7 @@ class AcceptanceStats:
         self.sum: dict[str, float] = {}
         self.n: dict[str, float] = {}
         self.tau_ema: float | None = None  # tokens per synced row per speculative step
+        self._alpha: dict[int | None, np.ndarray] = {}  # alpha(width), until the next observation
 
     @property
     def reached(self) -> np.ndarray:
@@ -307,6 +308,7 @@ class AcceptanceStats:
 
     def observe(self, tree: TreeConfig | None, counts: Sequence[int]) -> None:
         """One step: counts = tokens emitted by each row whose draft was in sync (incl. the bonus)."""
+        self._alpha.clear()
         for arrays in (self.reached_by_width, self.passed_by_width):
             for a in arrays.values():
                 a *= self.decay
@@ -330,13 +332,17 @@ class AcceptanceStats:
 
     def alpha(self, width: int | None = None) -> np.ndarray:
         """Per-depth conditional acceptance rates [max_depth + 1] (index 0 unused): pooled over every
-        tree width, or for trees of top-k `width` (with the pooled rates as its prior)."""
-        pooled = (self.passed + self.prior_accept * self.prior_strength) / (self.reached + self.prior_strength)
-        if width is None:
-            return pooled
-        zero = np.zeros(self.max_depth + 1)
-        reached, passed = self.reached_by_width.get(width, zero), self.passed_by_width.get(width, zero)
-        return (passed + pooled * self.prior_strength) / (reached + self.prior_strength)
+        tree width, or for trees of top-k `width` (with the pooled rates as its prior). Kept until the
+        next observation: every candidate asks for them on every step."""
+        if width not in self._alpha:
+            if width is None:
+                self._alpha[None] = ((self.passed + self.prior_accept * self.prior_strength)
+                                     / (self.reached + self.prior_strength))
+            else:
+                zero = np.zeros(self.max_depth + 1)
+                reached, passed = self.reached_by_width.get(width, zero), self.passed_by_width.get(width, zero)
+                self._alpha[width] = (passed + self.alpha() * self.prior_strength) / (reached + self.prior_strength)
+        return self._alpha[width]
 
     def model_tokens(self, tree: TreeConfig) -> float:
         a = self.alpha(tree.topk)
@@ -438,12 +444,11 @@ class Harness:
         if not 0 <= sampled <= synced <= active:
             raise ValueError(f"choose: need 0 <= sampled ({sampled}) <= synced ({synced}) <= active ({active})")
         best, best_rate = None, -1.0
-        off_rate = active / self.profile.cost(bucket, OFF, sampled > 0)
-        rates = {}
+        any_sampled = sampled > 0  # a step with a sampling row costs that kind of step
+        off_rate = active / self.profile.cost(bucket, OFF, any_sampled)
         for tree in self.candidates:
-            cost = self.profile.cost(bucket, candidate_name(tree), sampled > 0)
+            cost = self.profile.cost(bucket, candidate_name(tree), any_sampled)
             rate = self._tokens(tree, active, synced, bonus=False, sampled=sampled) / cost
-            rates[candidate_name(tree)] = rate
             if tree is not None and rate < off_rate * (1.0 + self.margin):
                 continue  # speculation must clearly beat a plain step
             if rate > best_rate:
@@ -451,13 +456,13 @@ class Harness:
         explore = False
         if synced > 0:  # optimism about rarely tried trees; only rows in sync can teach us anything
             for tree in self.candidates[1:]:
-                cost = self.profile.cost(bucket, candidate_name(tree), sampled > 0)
+                cost = self.profile.cost(bucket, candidate_name(tree), any_sampled)
                 rate = self._tokens(tree, active, synced, bonus=True, sampled=sampled) / cost
                 if rate > best_rate * (1.0 + self.margin) and tree is not best:
                     best, best_rate, explore = tree, rate, True
         name = candidate_name(best)
         choice = Choice(name, best, self._tokens(best, active, synced, bonus=False, sampled=sampled),
-                        self.profile.cost(bucket, name, sampled > 0), explore)
+                        self.profile.cost(bucket, name, any_sampled), explore)
         self.counts[name] = self.counts.get(name, 0) + 1
         if self.last.get(bucket) != name:
             # Changes are logged at INFO at most every few seconds per bucket (choices can flip every step).
@@ -467,7 +472,7 @@ class Harness:
                 self.logged_at[bucket] = now
             log.log(level, "harness: batch bucket %d, %d rows (%d in sync): %s%s, expected %.2f tokens/step in "
                     "%.2f ms (off: %.2f ms)", bucket, active, synced, name, " (exploring)" if explore else "",
-                    choice.expected_tokens, choice.seconds * 1e3, self.profile.cost(bucket, OFF, sampled > 0) * 1e3)
+                    choice.expected_tokens, choice.seconds * 1e3, self.profile.cost(bucket, OFF, any_sampled) * 1e3)
             self.last[bucket] = name
         self.last_choice = choice
         return choice

@@ -283,14 +283,14 @@ class SpecEngine:
         dispatched = 1  # target forwards started (the prefill is the first)
 
         def dispatch():
-            """Starts one step for the rows active now: (emitted, count, tree, rows in it, rows to observe)."""
+            """Starts one step for the rows active now: (emitted, count, tree, rows in it)."""
             nonlocal st, dispatched
             step_tree = tree
             if policy is not None:
                 # Every row's draft is in step (plain steps leave their pairs for it to catch up on).
                 step_tree = policy.choose(b, int(active.sum()), int(active.sum()),
                                           int((active & row_samples).sum())).tree
-            rows_in, observe_rows = active.copy(), active.copy()
+            rows_in = active.copy()  # every one of them teaches the harness (all drafts are in step)
             if step_tree is None:  # a plain step; the draft catches up later (see verify_step)
                 st, emitted, count = verify_step(self.graphdef, self.state, st, params, jnp.asarray(rows_in),
                                                  self.head_graphdef, self.head_state)
@@ -298,7 +298,7 @@ class SpecEngine:
                 st, emitted, count = spec_step(self.graphdef, self.state, self.head_graphdef, self.head_state, st,
                                                params, jnp.asarray(rows_in), step_tree)
             dispatched += 1
-            return emitted, count, step_tree, rows_in, observe_rows
+            return emitted, count, step_tree, rows_in
 
         # Step i + 1 is dispatched before the host reads step i's tokens, so stop checks, streaming and the
         # harness's bookkeeping overlap the device. A row that finishes in step i is still in step i + 1:
@@ -309,7 +309,7 @@ class SpecEngine:
 
         pending = dispatch() if can_step() else None
         while pending is not None and active.any():
-            emitted, count, step_tree, rows_in, observe_rows = pending
+            emitted, count, step_tree, rows_in = pending
             pending = dispatch() if can_step() else None
             emitted, count = np.asarray(emitted), np.asarray(count)
             steps += 1
@@ -318,9 +318,8 @@ class SpecEngine:
                 if not rows_in[r] or row.reason is not None:
                     continue
                 counts.append(int(count[r]))
-                if observe_rows[r]:
-                    observed.append(int(count[r]))
-                    observed_sampled.append(bool(row_samples[r]))
+                observed.append(int(count[r]))
+                observed_sampled.append(bool(row_samples[r]))
                 for j in range(int(count[r])):
                     finished = row.push(int(emitted[r, j]))
                     if on_token is not None:
@@ -363,15 +362,11 @@ def spec_engine_for(target, head) -> SpecEngine:
 # SpecState with an empty draft cache, so every helper below serves both.
 
 
-def headless_parts(batch: int):
-    """(draft_cache, root_hidden) placeholders of a SpecState for a target served without a head."""
-    return KVCache((), (), jnp.zeros((batch,), jnp.int32)), jnp.zeros((batch, 1), jnp.float32)
-
-
 def headless_state(cache: KVCache, root) -> SpecState:
     """A SpecState for a target served without a head (empty draft parts)."""
-    dcache, root_hidden = headless_parts(root.shape[0])
-    return SpecState(cache, dcache, root, root_hidden, **no_lag(root.shape[0]))
+    b = root.shape[0]
+    return SpecState(cache, KVCache((), (), jnp.zeros((b,), jnp.int32)), root, jnp.zeros((b, 1), jnp.float32),
+                     **no_lag(b))
 
 
 def empty_state(target, head, batch: int, cache_len: int, draft_len: int) -> SpecState:
