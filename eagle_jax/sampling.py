@@ -58,10 +58,39 @@ def row_keys(seed, positions):
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(seed, positions)
 
 
+def _order_key(x):
+    """f32 -> int32 with the same order (-0.0 just below +0.0; no NaNs in logits)."""
+    i = jax.lax.bitcast_convert_type(x, jnp.int32)
+    return jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i)
+
+
+def _largest_key(keys, holds):
+    """Per row, the largest v among the int32 order keys such that holds(v) ([..., 1] bool), for a
+    predicate that gets false as v grows and holds at the row's smallest key. 32 halvings of the
+    key range: exact, and each is one pass over the vocabulary (a sort costs far more on CPU)."""
+    lo = jnp.min(keys, axis=-1, keepdims=True)
+    hi = jnp.max(keys, axis=-1, keepdims=True)
+    u32 = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint32)
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        gap = u32(hi) - u32(lo)  # hi >= lo, so the unsigned difference does not wrap
+        mid = jax.lax.bitcast_convert_type(u32(lo) + (gap >> 1) + (gap & 1), jnp.int32)  # upper midpoint
+        ok = holds(mid) & (hi > lo)
+        return jnp.where(ok, mid, lo), jnp.where(ok | (hi <= lo), hi, mid - 1)
+
+    lo, _ = jax.lax.fori_loop(0, 32, halve, (lo, hi))
+    return lo
+
+
 def filter_logits(logits, params: SamplingParams):
     """Temperature, top-k then top-p applied to logits [B, ..., V] (f32). Excluded tokens get -inf.
 
-    Rows with temperature 0 are returned unscaled (their argmax is what matters).
+    top-k keeps the tokens at least as likely as the k-th most likely; top-p then keeps the fewest most
+    likely of those whose probability (renormalised over them) reaches top_p, i.e. every token whose
+    more likely predecessors hold less than top_p (ties at a boundary are kept). Both thresholds are
+    found by bisection over the logits' order keys, not by sorting the vocabulary. Each row's result
+    depends on that row alone. Rows with temperature 0 are returned unscaled (their argmax is what matters).
     """
     logits = logits.astype(jnp.float32)
     extra = logits.ndim - 2
@@ -70,21 +99,26 @@ def filter_logits(logits, params: SamplingParams):
     scaled = jnp.where(t > 0, logits / jnp.where(t > 0, t, 1.0), logits)
     k = params.top_k.reshape(bshape)
     top_p = params.top_p.reshape(bshape)
-    vocab = logits.shape[-1]
+    lowest = jnp.iinfo(jnp.int32).min
 
     def truncate(x):
-        srt = -jnp.sort(-x, axis=-1)  # descending
-        idx = jnp.arange(vocab)
-        srt_k = jnp.where((k > 0) & (idx >= k), -jnp.inf, srt)
-        kth = jnp.where(k > 0, jnp.take_along_axis(srt, jnp.clip(k - 1, 0, vocab - 1), axis=-1), -jnp.inf)
-        probs = jax.nn.softmax(srt_k, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each sorted token
-        keep = jnp.sum((before < top_p) & (srt_k > -jnp.inf), axis=-1, keepdims=True)  # >= 1
-        pth = jnp.take_along_axis(srt_k, jnp.maximum(keep - 1, 0), axis=-1)
-        pth = jnp.where(top_p < 1.0, pth, -jnp.inf)
-        return jnp.where(x < jnp.maximum(kth, pth), -jnp.inf, x)
+        keys = _order_key(x)
+        # top-k: the largest v with at least k tokens at or above it (the k-th largest logit).
+        count_at_least = lambda v: jnp.sum(keys >= v, axis=-1, keepdims=True, dtype=jnp.int32) >= k
+        kth = jax.lax.cond(jnp.any(params.top_k > 0), lambda: _largest_key(keys, count_at_least),
+                           lambda: jnp.full(keys.shape[:-1] + (1,), lowest, jnp.int32))
+        kth = jnp.where(k > 0, kth, lowest)
+        inside = keys >= kth
+        e = jnp.where(inside, jnp.exp(x - jnp.max(x, axis=-1, keepdims=True)), 0.0)
+        mass = top_p * jnp.sum(e, axis=-1, keepdims=True)
+        # top-p: the largest v whose tokens at or above it (within top-k) hold at least top_p of the mass.
+        reaches = lambda v: jnp.sum(jnp.where(keys >= v, e, 0.0), axis=-1, keepdims=True) >= mass
+        pth = jax.lax.cond(jnp.any(params.top_p < 1.0), lambda: _largest_key(keys, reaches),
+                           lambda: jnp.full(kth.shape, lowest, jnp.int32))
+        pth = jnp.where(top_p < 1.0, pth, lowest)
+        return jnp.where(inside & (keys >= pth), x, -jnp.inf)
 
-    # Sorting the vocabulary is the costly part; skip it when no row asks for truncation.
+    # The searches are the costly part; skip them when no row asks for truncation.
     needed = jnp.any((params.top_k > 0) | (params.top_p < 1.0))
     return jax.lax.cond(needed, truncate, lambda x: x, scaled)
 

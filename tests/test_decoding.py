@@ -130,6 +130,43 @@ def test_filter_logits_keeps_exactly_the_top_k_top_p_set(top_k, top_p):
         np.testing.assert_allclose(out[r][want], logits[r][want] / 0.8, rtol=1e-6)
 
 
+def _np_filter_ties(x, top_k, top_p):
+    """Sorting reference with ties: top-k keeps every token >= the k-th largest; top-p then keeps every
+    token >= the first one (in descending order) whose predecessors hold < top_p of the pool's mass."""
+    srt = np.sort(x)[::-1]
+    pool = x >= (srt[top_k - 1] if top_k > 0 else -np.inf)
+    xs = np.sort(x[pool])[::-1].astype(np.float64)
+    p = np.exp(xs - xs[0])
+    p /= p.sum()
+    before = np.cumsum(p) - p
+    m = int(np.sum(before < top_p)) if top_p < 1 else len(xs)
+    return pool & (x >= xs[m - 1])
+
+
+def test_filter_logits_matches_a_sorting_reference_row_by_row():
+    # Mixed per-row settings in one batch, a [B, N, V] tree of logits, logits rounded to produce ties,
+    # and one very peaked row; each row's kept set must equal the sort-based reference and must not
+    # depend on the other rows of the batch.
+    rng = np.random.default_rng(7)
+    b, n, v = 6, 3, 4000
+    logits = rng.normal(size=(b, n, v)).astype(np.float32) * 3
+    logits[1] = np.round(logits[1] * 2) / 2  # many ties
+    logits[4, :, 17] += 40.0  # one token holds almost all the mass
+    temps = np.array([0.7, 1.0, 1.3, 1.0, 1.0, 0.9], np.float32)
+    ks = np.array([0, 50, 3, 0, 0, 1], np.int32)
+    ps = np.array([0.9, 0.8, 1.0, 0.999, 0.5, 0.3], np.float32)
+    params = SamplingParams.make(b, temps, ks, ps)
+    out = np.isfinite(np.asarray(filter_logits(jnp.asarray(logits), params)))
+    for r in range(b):
+        alone = np.isfinite(np.asarray(filter_logits(jnp.asarray(logits[r:r + 1]),
+                                                     SamplingParams.make(1, temps[r], ks[r], ps[r]))))[0]
+        np.testing.assert_array_equal(out[r], alone)
+        for j in range(n):
+            want = _np_filter_ties(logits[r, j] / temps[r], int(ks[r]), float(ps[r]))
+            np.testing.assert_array_equal(out[r, j], want, err_msg=f"row {r} node {j}")
+    assert out[4].sum() == n and out[4][:, 17].all()  # the peaked row keeps its one token
+
+
 def test_sampled_token_frequencies_follow_the_filtered_distribution():
     # Chi-square goodness of fit of 4000 draws against softmax(filtered logits).
     rng = np.random.default_rng(0)
