@@ -287,7 +287,7 @@ class AcceptanceStats:
     seen only through chains looks poor to a wider tree, and the chains' evidence would stop the harness
     from trying the tree). A width with little evidence leans on the pooled rates as its prior."""
 
-    def __init__(self, max_depth: int, decay: float = 0.998, prior_accept: float = 0.5, prior_strength: float = 2.0,
+    def __init__(self, max_depth: int, decay: float = 0.999, prior_accept: float = 0.5, prior_strength: float = 2.0,
                  blend: float = 4.0):
         self.decay, self.prior_accept, self.prior_strength, self.blend = decay, prior_accept, prior_strength, blend
         self.max_depth = max_depth
@@ -417,7 +417,7 @@ class Harness:
     """Chooses the candidate with the most expected tokens per second for the current batch."""
 
     def __init__(self, candidates: Sequence[TreeConfig | None], profile: Profile, *, margin: float = 0.03,
-                 ucb: float = 0.5, stats: AcceptanceStats | None = None,
+                 ucb: float = 0.3, stats: AcceptanceStats | None = None,
                  sampled_stats: AcceptanceStats | None = None):
         trees = [t for t in candidates if t is not None]
         self.candidates: list[TreeConfig | None] = [None] + trees  # off is always a candidate

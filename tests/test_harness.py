@@ -89,9 +89,38 @@ def test_untried_trees_are_explored_and_dropped_when_they_disappoint():
     assert h.choose(1, 1, 1).explore
     # Evidence decays, so a tree not run for a long time is tried again at any cost that could pay.
     h.profile = Profile("p", {1: {"off": 0.010, "d3k1n4": 0.015}}, {})
-    for _ in range(3000):
+    for _ in range(6000):
         stats.observe(None, [])
     assert h.choose(1, 1, 1).tree == TreeConfig.chain(3)
+
+
+def _run_one_row(alpha, steps=4000, seed=0):
+    """A batch-1 run under this CPU's measured step costs (ms) where every draft token is accepted
+    with probability alpha[topk > 1] at each depth: (time relative to plain steps, choices)."""
+    ms = {"off": 20.6, "d3k1n4": 29.5, "d3k4n8": 34.9, "d4k4n16": 43.7, "d6k4n24": 55.4}
+    trees = [parse_candidate(n) for n in ms if n != "off"]
+    h = Harness(trees, Profile("cpu", {1: {n: v / 1e3 for n, v in ms.items()}}, {}))
+    rng = np.random.default_rng(seed)
+    spent = tokens = 0.0
+    for _ in range(steps):
+        c = h.choose(1, 1, 1, 1)
+        n = 1
+        if c.tree is not None:
+            while n <= c.tree.depth and rng.random() < alpha[c.tree.topk > 1]:
+                n += 1
+        h.observe(c.tree, [n], [True])
+        spent, tokens = spent + ms[c.name], tokens + n
+    return (tokens / spent) * ms["off"], h.counts
+
+
+def test_exploring_costs_little_when_no_tree_pays_and_trees_win_when_they_do():
+    # Sampled rows with a poor head (as at temperature 1 on CPU): every tree is slower than a plain
+    # step, so the harness may only look now and then.
+    speed, counts = _run_one_row(alpha=(0.22, 0.3))
+    assert counts["off"] >= 0.98 * 4000 and speed > 0.99, counts
+    # A head whose drafts are usually kept: trees nearly all the time, clearly faster than plain.
+    speed, counts = _run_one_row(alpha=(0.6, 0.75))
+    assert counts.get("off", 0) < 0.05 * 4000 and speed > 1.4, counts
 
 
 def test_acceptance_rates_are_censored_at_the_tree_depth():
