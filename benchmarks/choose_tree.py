@@ -32,8 +32,8 @@ from eagle_jax.loader import resolve_draft  # noqa: E402
 from eagle_jax.tree import TreeConfig  # noqa: E402
 from spec_step_overhead import step_costs  # noqa: E402
 
-GRID = [(3, 4, 8), (4, 4, 8), (4, 4, 12), (4, 4, 16), (5, 4, 12), (5, 4, 16), (6, 4, 16), (6, 4, 24),
-        (5, 6, 16), (6, 6, 24), (7, 4, 20), (8, 4, 24)]
+GRID = [(1, 1, 2), (1, 2, 3), (1, 4, 5), (2, 1, 3), (2, 2, 4), (2, 4, 6), (3, 1, 4), (3, 2, 5), (3, 4, 6),
+        (3, 4, 8), (4, 4, 8), (4, 4, 12), (4, 4, 16), (5, 4, 16), (6, 4, 24), (6, 10, 60)]
 
 
 def dev_prompts(path, n):
@@ -87,7 +87,9 @@ def main(argv=None):
     out = {"benchmark": "choose_tree", "date": datetime.datetime.now().isoformat(timespec="seconds"),
            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
                        "backend": jax.default_backend()},
-           "model": args.model, "draft": args.draft, "plain_step_ms": plain_s * 1e3, "results": rows,
+           "model": args.model, "draft": args.draft, "prompts": {"file": str(args.prompts), "last": len(prompts),
+                                                              "max_new_tokens": args.max_new_tokens},
+           "plain_step_ms": plain_s * 1e3, "results": rows,
            "best": rows[0]}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2))

@@ -1,10 +1,11 @@
 """Load test of `python -m eagle_jax.serve`: throughput and latency vs concurrent streaming clients.
 
 For each mode (plain = `--speculation off`, fixed = `--speculation fixed:D,K,N`, auto = the harness) it
-starts a server subprocess, runs a warm-up round per concurrency level (compiles every shape the
-measurement needs), then drives it with C concurrent streaming chat clients (the real `openai` client),
-each request generating exactly --max-tokens tokens (ignore_eos), and records tokens/s, request latency
-and time to first token. Prints a table with auto's ratio to plain and to the best non-auto mode at
+starts a server subprocess; the servers run side by side. Per concurrency level C it warms every server
+up (compiles every shape the measurement needs), then drives them in turn, `--rounds` times in rotating
+order, with C concurrent streaming chat clients (the real `openai` client), each request generating
+exactly --max-tokens tokens (ignore_eos), and records tokens/s, request latency and time to first token
+over all rounds (so a slow spell of a shared machine hits every mode alike). Prints a table with auto's ratio to plain and to the best non-auto mode at
 each concurrency (goals: >= 1.0 and >= 0.95), and writes JSON (with each server's /metrics at the end:
 the harness's choices per tree shape and tau).
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -183,6 +185,11 @@ async def drive(url, model, prompts, concurrency, n_requests, max_tokens):
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
         wall = time.perf_counter() - t0
+    return results, wall
+
+
+def summarise(concurrency, results, wall):
+    """Throughput and latency of `results` (requests of one or more rounds) that took `wall` seconds."""
     lat = sorted(r["latency_s"] for r in results)
     ttft = sorted(r["ttft_s"] for r in results if r["ttft_s"] is not None)
     pct = lambda xs, q: xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
@@ -207,6 +214,19 @@ def step_summary(before: dict, after: dict) -> dict:
     return out
 
 
+def merge_steps(parts: list[dict]) -> dict:
+    """step_summary of several rounds added up."""
+    out = {}
+    for part in parts:
+        for name, v in part.items():
+            o = out.setdefault(name, {"steps": 0.0, "rows": 0.0, "tokens": 0.0})
+            o["steps"] += v["steps"]
+            o["rows"] += v["steps"] * v["rows_per_step"]
+            o["tokens"] += (v["tau"] or 0.0) * v["steps"] * v["rows_per_step"]
+    return {name: {"steps": o["steps"], "rows_per_step": o["rows"] / o["steps"],
+                   "tau": o["tokens"] / o["rows"] if o["rows"] else None} for name, o in out.items()}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -216,6 +236,8 @@ def main(argv=None):
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
     ap.add_argument("--requests", type=int, default=None,
                     help="requests per concurrency level (default: 2 x concurrency, at least 8)")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="measurement rounds per concurrency level, alternating between the modes")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=512)
     ap.add_argument("--max-batch", type=int, default=32)
@@ -255,24 +277,41 @@ def main(argv=None):
     out_path.parent.mkdir(parents=True, exist_ok=True)
 
     rows, metrics = [], {}
-    for mode in args.modes:
-        log_path = out_path.with_name(f"{out_path.stem}_{mode}.log")
-        t0 = time.perf_counter()
-        with Server(args, mode, log_path) as server:
-            startup = time.perf_counter() - t0
-            print(f"[{mode}] server ready in {startup:.0f} s at {server.url}", flush=True)
+    with contextlib.ExitStack() as stack:
+        # Every mode's server runs side by side (started one at a time, so each measures its cost profile on
+        # an otherwise idle machine), and the measurement rounds alternate between them: a slow spell of
+        # this shared machine then hits every mode alike instead of whichever mode it ran at the time.
+        servers, models = {}, {}
+        for mode in args.modes:
+            t0 = time.perf_counter()
+            server = stack.enter_context(Server(args, mode, out_path.with_name(f"{out_path.stem}_{mode}.log")))
+            server.startup_s = time.perf_counter() - t0
+            print(f"[{mode}] server ready in {server.startup_s:.0f} s at {server.url}", flush=True)
             with urllib.request.urlopen(server.url + "/v1/models", timeout=30) as resp:
-                model = json.loads(resp.read())["data"][0]["id"]
-            for c in args.concurrency:
-                n = args.requests or max(2 * c, 8)
-                asyncio.run(drive(server.url, model, prompts, c, n, min(8, args.max_tokens)))  # warm-up: compiles
-                before = server.metrics()
-                r = asyncio.run(drive(server.url, model, prompts, c, n, args.max_tokens))
-                r.update(mode=mode, steps=step_summary(before, server.metrics()), startup_s=startup)
+                models[mode] = json.loads(resp.read())["data"][0]["id"]
+            servers[mode] = server
+        for c in args.concurrency:
+            n = args.requests or max(2 * c, 8)
+            for mode, server in servers.items():  # warm-up: compiles every shape this level needs
+                asyncio.run(drive(server.url, models[mode], prompts, c, n, min(8, args.max_tokens)))
+            done = {mode: ([], 0.0, []) for mode in servers}
+            for k in range(args.rounds):
+                order = list(servers)[k % len(servers):] + list(servers)[:k % len(servers)]
+                for mode in order:
+                    before = servers[mode].metrics()
+                    results, wall = asyncio.run(drive(servers[mode].url, models[mode], prompts, c, n, args.max_tokens))
+                    res, total, steps = done[mode]
+                    done[mode] = (res + results, total + wall,
+                                  steps + [step_summary(before, servers[mode].metrics())])
+                    print(f"[{mode}] concurrency {c:>3} round {k + 1}: {sum(x['tokens'] for x in results) / wall:8.1f} tok/s",
+                          flush=True)
+            for mode, (results, wall, steps) in done.items():
+                r = summarise(c, results, wall)
+                r.update(mode=mode, rounds=args.rounds, steps=merge_steps(steps), startup_s=servers[mode].startup_s)
                 rows.append(r)
                 print(f"[{mode}] concurrency {c:>3}: {r['tokens_per_s']:8.1f} tok/s, latency {r['latency_mean_s']:6.2f} s, "
                       f"TTFT {r['ttft_mean_s'] or 0:5.2f} s, steps {r['steps']}", flush=True)
-            metrics[mode] = server.metrics()
+        metrics = {mode: server.metrics() for mode, server in servers.items()}
 
     def get(mode, c):
         return next((r for r in rows if r["mode"] == mode and r["concurrency"] == c), None)
