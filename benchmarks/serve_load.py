@@ -1,13 +1,13 @@
 """Load test of `python -m eagle_jax.serve`: throughput and latency vs concurrent streaming clients.
 
 For each mode (plain = `--speculation off`, fixed = `--speculation fixed:D,K,N`, auto = the harness) it
-starts a server subprocess; the servers run side by side. Per concurrency level C it warms every server
-up (compiles every shape the measurement needs), then drives them in turn, `--rounds` times in rotating
-order, with C concurrent streaming chat clients (the real `openai` client), each request generating
-exactly --max-tokens tokens (ignore_eos), and records tokens/s, request latency and time to first token
-over all rounds (so a slow spell of a shared machine hits every mode alike). Prints a table with auto's ratio to plain and to the best non-auto mode at
-each concurrency (goals: >= 1.0 and >= 0.95), and writes JSON (with each server's /metrics at the end:
-the harness's choices per tree shape and tau).
+starts a server subprocess; the servers run side by side. Per concurrency level C it warms every server up
+(compiles every shape the measurement needs), then drives them in turn, `--rounds` times in rotating order,
+with C concurrent streaming chat clients (the real `openai` client), each request generating exactly
+--max-tokens tokens (ignore_eos), and records tokens/s, request latency and time to first token over all
+rounds (so a slow spell of a shared machine hits every mode alike). Prints a table with auto's ratio to
+plain and to the best non-auto mode at each concurrency (goals: >= 1.0 and >= 0.95), and writes JSON (with
+each server's /metrics at the end: the harness's choices per tree shape and tau).
 
     python benchmarks/serve_load.py --draft default                     # the real measurement (slow)
     python benchmarks/serve_load.py --smoke                             # a tiny random model, a minute
@@ -282,7 +282,9 @@ def main(argv=None):
         # an otherwise idle machine), and the measurement rounds alternate between them: a slow spell of
         # this shared machine then hits every mode alike instead of whichever mode it ran at the time.
         servers, models = {}, {}
-        for mode in args.modes:
+        # auto first: measuring its cost profile (every candidate at every batch bucket) takes by far the
+        # most memory, so it starts while nothing else holds any.
+        for mode in sorted(args.modes, key=lambda m: m != "auto"):
             t0 = time.perf_counter()
             server = stack.enter_context(Server(args, mode, out_path.with_name(f"{out_path.stem}_{mode}.log")))
             server.startup_s = time.perf_counter() - t0
@@ -290,6 +292,7 @@ def main(argv=None):
             with urllib.request.urlopen(server.url + "/v1/models", timeout=30) as resp:
                 models[mode] = json.loads(resp.read())["data"][0]["id"]
             servers[mode] = server
+        servers = {mode: servers[mode] for mode in args.modes}  # measured in the order given
         for c in args.concurrency:
             n = args.requests or max(2 * c, 8)
             for mode, server in servers.items():  # warm-up: compiles every shape this level needs
@@ -303,8 +306,8 @@ def main(argv=None):
                     res, total, steps = done[mode]
                     done[mode] = (res + results, total + wall,
                                   steps + [step_summary(before, servers[mode].metrics())])
-                    print(f"[{mode}] concurrency {c:>3} round {k + 1}: {sum(x['tokens'] for x in results) / wall:8.1f} tok/s",
-                          flush=True)
+                    rate = sum(x["tokens"] for x in results) / wall
+                    print(f"[{mode}] concurrency {c:>3} round {k + 1}: {rate:8.1f} tok/s", flush=True)
             for mode, (results, wall, steps) in done.items():
                 r = summarise(c, results, wall)
                 r.update(mode=mode, rounds=args.rounds, steps=merge_steps(steps), startup_s=servers[mode].startup_s)

@@ -496,6 +496,20 @@ def build_app(api: Api) -> FastAPI:
     return app
 
 
+def release_free_memory() -> None:
+    """Hands the C heap's free pages back to the OS. Profiling and warm-up allocate and free gigabytes
+    of step buffers, which glibc keeps (a plain SmolLM2 server measured 10.9 GB resident after start-up,
+    2.3 GB after this); trimming once before serving costs nothing per step (trimming on every free
+    halves the throughput). Does nothing where the C library has no malloc_trim."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def create_app(target, head=None, config=None, *, profile=None, metrics: Metrics | None = None) -> FastAPI:
     """The server for a loaded target (and optional draft head) with `config` (a ServeConfig).
 
@@ -534,5 +548,6 @@ def create_app(target, head=None, config=None, *, profile=None, metrics: Metrics
     scheduler = Scheduler(target, head, policy, sched_cfg, metrics)
     if config.warmup:
         scheduler.warmup(config.warmup_prompt_len)
+    release_free_memory()
     api = Api(scheduler, config.served_model_name or target.name, max_model_len, metrics, config.api_key)
     return build_app(api)
