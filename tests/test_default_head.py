@@ -7,6 +7,7 @@ import pytest
 import eagle_jax
 from eagle_jax.bench import load_dataset
 from eagle_jax.loader import default_head_path
+from eagle_jax.tree import TreeConfig
 
 pytestmark = pytest.mark.slow
 
@@ -33,14 +34,25 @@ def test_shipped_head_is_eagle3_in_the_official_layout(target, head):
     assert head.cfg.kind == "eagle3"
 
 
-def test_shipped_head_acceptance_does_not_regress(target, head):
+@pytest.fixture(scope="module")
+def regression_prompts():
     mt = load_dataset("mt_bench")
-    prompts = [mt[i] for i in REGRESSION_PROMPTS]
-    plain = eagle_jax.generate(target, prompts, max_new_tokens=128)
-    spec = eagle_jax.generate(target, prompts, draft=head, max_new_tokens=128)
-    assert spec.token_ids == plain.token_ids
-    # tau is deterministic at temperature 0 (the numbers are the same on every run of the same build).
-    # The shipped head measured tau 2.01 here (histogram [126, 103, 57, 27, 6]) after 470 stage-1 and 2500
-    # stage-2 CPU training steps; this guards that level. (With EAGLE-2's 60-token tree, depth 6, top-k 10,
-    # it reaches 2.45; see train/README.md.)
-    assert spec.stats["tau"] >= 1.95, spec.stats["accept_histogram"]
+    return [mt[i] for i in REGRESSION_PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def plain_ids(target, regression_prompts):
+    return eagle_jax.generate(target, regression_prompts, max_new_tokens=128).token_ids
+
+
+# tau is deterministic at temperature 0 (the numbers are the same on every run of the same build).
+# The shipped head (470 stage-1 and 2500 stage-2 CPU training steps) measured here, greedy, 128 new tokens:
+#   4,4,16 (the engine's default tree):  tau 2.01, histogram [126, 103, 57, 27, 6]
+#   8,16,128 (an accelerator-sized tree): tau 2.66, histogram [61, 45, 77, 38, 14, 4, 2, 0, 0]
+# (6,10,60: 2.45; 7,10,80: 2.50; 8,10,100: 2.55.) The large tree is the head's acceptance when verify
+# width is nearly free (GPU/TPU); this CPU pays for every verified token, so the bench uses 3,4,8.
+@pytest.mark.parametrize("tree, floor", [((4, 4, 16), 1.95), ((8, 16, 128), 2.5)], ids=["4,4,16", "8,16,128"])
+def test_shipped_head_acceptance_does_not_regress(target, head, regression_prompts, plain_ids, tree, floor):
+    spec = eagle_jax.generate(target, regression_prompts, draft=head, max_new_tokens=128, tree=TreeConfig(*tree))
+    assert spec.token_ids == plain_ids
+    assert spec.stats["tau"] >= floor, spec.stats["accept_histogram"]
