@@ -125,7 +125,8 @@ def main(argv=None):
     from transformers import AutoModelForCausalLM
 
     import eagle_jax
-    from eagle_jax.engine import encode_prompts, next_pow2
+    from eagle_jax.engine import encode_prompts
+    from eagle_jax.rows import next_pow2
     from eagle_jax.loader import builtin_path
 
     if args.torch_threads:

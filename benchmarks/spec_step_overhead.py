@@ -24,12 +24,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import eagle_jax  # noqa: E402
-from eagle_jax import engine, speculative  # noqa: E402
-from eagle_jax.sampling import SamplingParams  # noqa: E402
+from eagle_jax import profiles, steps  # noqa: E402
 from eagle_jax.tree import TreeConfig  # noqa: E402
 
 PROMPTS = [
@@ -51,36 +49,21 @@ def time_steps(fn, n=20):
 
 
 def step_costs(target, head, batch, trees):
-    """Median seconds of one plain decode step and one speculative step per tree, same cache length."""
-    g, st = engine.nnx.split(target.model)
-    hg, hst = engine.nnx.split(head)
-    params = SamplingParams.make(batch).pad_to(batch)
+    """Median seconds of one plain decode step (no head) and one speculative step per tree, same cache
+    length and context: the engine's own `steps.step`, run through the harness's profiling stepper."""
     s_len, ctx = 256, 100
-    out = {}
+    state, run = profiles.stepper(target, None, [None], batch, s_len, 0, ctx)
+    box = [state]
 
-    cache = [target.model.init_cache(batch, s_len).replace(lengths=jnp.full((batch,), ctx, jnp.int32))]
-    tok = jnp.zeros((batch,), jnp.int32)
+    def timed(run, tree):
+        def once():
+            box[0] = run(box[0], tree)
+        return once
 
-    def plain():
-        t, c = engine.decode_step(g, st, tok, cache[0], params)
-        cache[0] = c.replace(lengths=jnp.full((batch,), ctx, jnp.int32))
-        t.block_until_ready()
-
-    out["plain_decode"] = time_steps(plain)
+    out = {"plain_decode": time_steps(timed(run, None))}
     for name, tree in trees.items():
-        dl = s_len + (tree.depth - 1) * tree.topk + tree.depth + 1
-        s0 = speculative.empty_state(target, head, batch, s_len, dl)
-        state = [s0.replace(cache=s0.cache.replace(lengths=jnp.full((batch,), ctx, jnp.int32)),
-                            draft_cache=s0.draft_cache.replace(lengths=jnp.full((batch,), ctx, jnp.int32)))]
-        active = jnp.ones((batch,), bool)
-
-        def spec():
-            s, emitted, count = speculative.spec_step(g, st, hg, hst, state[0], params, active, tree)
-            state[0] = s.replace(cache=s.cache.replace(lengths=jnp.full((batch,), ctx, jnp.int32)),
-                                 draft_cache=s.draft_cache.replace(lengths=jnp.full((batch,), ctx, jnp.int32)))
-            count.block_until_ready()
-
-        out[name] = time_steps(spec)
+        box[0], run_tree = profiles.stepper(target, head, [tree], batch, s_len, s_len + steps.draft_extra([tree]), ctx)
+        out[name] = time_steps(timed(run_tree, tree))
     return out
 
 

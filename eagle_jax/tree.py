@@ -49,6 +49,23 @@ class TreeConfig:
         """Candidates produced by the expansion: k at depth 1, k*k at each later depth."""
         return self.topk + (self.depth - 1) * self.topk * self.topk
 
+    @property
+    def name(self) -> str:
+        """"D,K,N": the one way trees are written (CLI flags, presets, stats, metrics labels)."""
+        return f"{self.depth},{self.topk},{self.tree_tokens}"
+
+    @classmethod
+    def parse(cls, text) -> "TreeConfig":
+        """A TreeConfig from "D,K,N" (e.g. "4,4,16"); a ValueError naming the text otherwise."""
+        if isinstance(text, cls):
+            return text
+        parts = str(text).strip().split(",")
+        try:
+            depth, topk, tokens = (int(x) for x in parts)
+        except ValueError:
+            raise ValueError(f"a tree is DEPTH,TOPK,TOKENS (e.g. 4,4,16), got {text!r}") from None
+        return cls(depth, topk, tokens)
+
     @classmethod
     def chain(cls, depth: int) -> "TreeConfig":
         return cls(depth=depth, topk=1, tree_tokens=depth + 1)
@@ -59,6 +76,24 @@ class TreeConfig:
 
         k = self.topk
         return np.concatenate([np.ones(k, np.int32)] + [np.full(k * k, j, np.int32) for j in range(2, self.depth + 1)])
+
+
+OFF = "off"  # the name of a plain step (no speculation)
+
+
+def tree_name(tree: "TreeConfig | None") -> str:
+    """"D,K,N" for a tree, "off" for a plain step (None)."""
+    return OFF if tree is None else tree.name
+
+
+def parse_tree(text) -> "TreeConfig | None":
+    """"off" (also "none" / "plain") -> None; "D,K,N" -> a TreeConfig (one of 1 token is a plain step: None)."""
+    if text is None or isinstance(text, TreeConfig):
+        return None if text is not None and text.tree_tokens == 1 else text
+    if str(text).strip().lower() in (OFF, "none", "plain"):
+        return None
+    tree = TreeConfig.parse(text)
+    return None if tree.tree_tokens == 1 else tree
 
 
 @functools.partial(jax.tree_util.register_dataclass,

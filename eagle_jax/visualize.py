@@ -4,25 +4,22 @@
     trace.accepted_tokens          # the tokens this step emits (accepted drafts + the target's bonus)
     eagle_jax.visualize.plot_tree(trace, target.tokenizer)   # matplotlib: nodes by depth, path highlighted
 
-The trace runs exactly the pieces of `eagle_jax.speculative.spec_step` (prefill, EAGLE-2 expansion,
-tree verification, lossless acceptance) on one prompt and returns them as numpy arrays, so the
-accepted path is the one speculative decoding would take from this prompt.
+The trace runs the engine's prefill and one `eagle_jax.steps.step` (EAGLE-2 expansion, tree
+verification, lossless acceptance) on one prompt with trace=True and returns the tree and its
+acceptance as numpy arrays, so the accepted path is the one speculative decoding takes from this prompt.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from eagle_jax.accept import accept
-from eagle_jax.engine import encode_prompts, prepare_batch
+from eagle_jax.engine import encode_prompts, engine_for
+from eagle_jax.rows import batch_shapes, pad_prompts
 from eagle_jax.sampling import SamplingParams
-from eagle_jax.speculative import _capture, draft_tree, spec_prefill
+from eagle_jax.steps import draft_extra, tree_slack
 from eagle_jax.tree import TreeConfig
 
 
@@ -41,36 +38,23 @@ class StepTrace:
         return [int(self.tokens[i]) for i in self.path[1:]] + [self.bonus]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "head_graphdef", "tree"))
-def _trace(graphdef, state, head_graphdef, head_state, s, params, tree: TreeConfig):
-    target = nnx.merge(graphdef, state)
-    head = nnx.merge(head_graphdef, head_state)
-    t = draft_tree(target, head, s, tree)
-    length = s.cache.lengths
-    out = target(t.tokens, s.cache, positions=length[:, None] + t.depths, tree_mask=t.mask,
-                 capture_layers=_capture(head.cfg), logits_at=None)
-    acc = accept(t, out.logits, params, length, tree.depth)
-    return t.tokens, t.parents, t.depths, acc.path, acc.count, acc.bonus
-
-
 def trace_step(target, head, prompt, tree: TreeConfig = TreeConfig(), temperature: float = 0.0, seed: int = 0,
                chat: bool = True) -> StepTrace:
-    """The first speculative step after `prompt` (a string, a chat message list or token ids)."""
+    """The first speculative step after `prompt` (a string, a chat message list or token ids): the
+    engine's own step (`steps.step` with trace=True), so what is drawn is what decoding does."""
     if tree.tree_tokens < 2:
         raise ValueError(f"trace_step needs a tree with tree_tokens >= 2, got {tree}")
+    eng = engine_for(target, head)
     ids = encode_prompts(target.tokenizer, [prompt], chat)
-    params = SamplingParams.make(1, temperature, 0, 1.0, seed)
-    tokens, lens, params, s_len = prepare_batch(target.cfg, ids, 1, params, slack=tree.tree_tokens + tree.depth)
-    graphdef, state = nnx.split(target.model)
-    head_graphdef, head_state = nnx.split(head)
-    cache = target.model.init_cache(tokens.shape[0], s_len)
-    dcache = head.init_cache(tokens.shape[0], s_len + (tree.depth - 1) * tree.topk + tree.depth + 1)
-    s = spec_prefill(graphdef, state, head_graphdef, head_state, jnp.asarray(tokens), jnp.asarray(lens),
-                     cache, dcache, params)
-    toks, parents, depths, path, count, bonus = jax.device_get(
-        _trace(graphdef, state, head_graphdef, head_state, s, params, tree))
-    return StepTrace(tokens=toks[0], parents=parents[0], depths=depths[0], path=path[0, : int(count[0])],
-                     bonus=int(bonus[0]), tree=tree)
+    b, t, s_len = batch_shapes(target.cfg.max_position, ids, 1, slack=tree_slack([tree]))
+    tokens, lens = pad_prompts(ids, b, t)
+    params = SamplingParams.make(1, temperature, 0, 1.0, seed).pad_to(b)
+    s = eng.run_prefill(tokens, lens, s_len, s_len + draft_extra([tree]), params)
+    active = np.arange(b) < 1
+    _, _, _, info = eng.run_step(s, params, active, tree, trace=True)
+    info = jax.device_get(info)
+    return StepTrace(tokens=info["tokens"][0], parents=info["parents"][0], depths=info["depths"][0],
+                     path=info["path"][0, : int(info["count"][0])], bonus=int(info["bonus"][0]), tree=tree)
 
 
 def plot_tree(trace: StepTrace, tokenizer=None, ax=None, title: str | None = None):

@@ -66,20 +66,20 @@ def test_run_bench_with_the_auto_tree_reports_the_harness_choices(tmp_path, monk
     from eagle_jax.bench import run_bench
     from test_speculative import PROMPTS, oracle_pair
 
-    from eagle_jax import harness
+    import eagle_jax.engine as engine
+    from eagle_jax import harness, steps
+    from eagle_jax.rows import batch_shapes
     from test_speculative import _profile
 
     tgt, head = oracle_pair()
-    import eagle_jax.engine as engine
 
     # A cost profile where every tree is cheap (measuring one is test_speculative's job), in the cache
     # directory the bench's engine reads: the harness speculates, and each step's choice is counted.
     monkeypatch.setenv("EAGLE_JAX_CACHE", str(tmp_path))
-    trees = [t for t in map(harness.parse_candidate, harness.DEFAULT_CANDIDATES) if t is not None]
+    trees = harness.default_trees()
     (tmp_path / "harness").mkdir()
     for prompt in PROMPTS[:2]:
-        _, _, _, s_len = engine.prepare_batch(tgt.cfg, [prompt], 12, engine.SamplingParams.make(1),
-                                              slack=harness.tree_slack(trees))
+        _, _, s_len = batch_shapes(tgt.cfg.max_position, [prompt], 12, slack=steps.tree_slack(trees))
         _profile(tmp_path / "harness", tgt, head, 1, s_len, None, lambda t: 0.01)
     monkeypatch.setattr(engine, "encode_prompts", lambda tok, prompts, chat: [list(p) for p in prompts])
     r = run_bench(tgt, head, PROMPTS[:2], batch_size=1, temperature=0.0, max_new_tokens=12, tree="auto", seed=0)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import eagle_jax
-from eagle_jax import engine
+from eagle_jax import engine, steps
 from eagle_jax.config import ModelConfig
 from eagle_jax.loader import Target
 from eagle_jax.model import random_model
@@ -93,14 +93,14 @@ def test_eos_stops_a_row_and_keeps_the_eos_token(tiny):
 
 def test_compiles_once_per_bucket(tiny):
     eagle_jax.generate(tiny, [[1, 2, 3], [4, 5]], max_new_tokens=5)
-    before = dict(engine.TRACE_COUNTS)
+    before = dict(steps.TRACE_COUNTS)
     # Different prompts, lengths and sampling settings inside the same buckets: no new traces.
     eagle_jax.generate(tiny, [[9, 8, 7, 6], [1]], max_new_tokens=7, temperature=0.7, top_k=5, seed=2)
     eagle_jax.generate(tiny, [[2, 2]], max_new_tokens=9)  # batch bucket 1: new shapes
-    after_new_bucket = dict(engine.TRACE_COUNTS)
+    after_new_bucket = dict(steps.TRACE_COUNTS)
     eagle_jax.generate(tiny, [[3, 3, 3]], max_new_tokens=9)
-    assert dict(engine.TRACE_COUNTS) == after_new_bucket
-    assert after_new_bucket["decode"] - before["decode"] <= 1
+    assert dict(steps.TRACE_COUNTS) == after_new_bucket
+    assert after_new_bucket["step"] - before["step"] <= 1
     assert after_new_bucket["prefill"] - before["prefill"] <= 1
 
 

@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 
 from eagle_jax import harness
-from eagle_jax.harness import AcceptanceStats, Harness, Profile, candidate_name, parse_candidate
+from eagle_jax import profiles
+from eagle_jax.harness import AcceptanceStats, Harness
+from eagle_jax.profiles import Profile
+from eagle_jax.tree import parse_tree, tree_name
 from eagle_jax.tree import TreeConfig
 
 TREES = [TreeConfig.chain(3), TreeConfig(4, 4, 8), TreeConfig(5, 4, 16), TreeConfig(6, 4, 24)]
@@ -17,7 +20,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32)
 
 def profile_from(cost):
     """A Profile whose step seconds are cost(batch, tree_tokens) for every bucket and candidate."""
-    seconds = {b: {candidate_name(t): cost(b, 1 if t is None else t.tree_tokens) for t in [None] + TREES}
+    seconds = {b: {tree_name(t): cost(b, 1 if t is None else t.tree_tokens) for t in [None] + TREES}
                for b in BUCKETS}
     return Profile("synthetic", seconds, {})
 
@@ -45,7 +48,7 @@ def test_steep_costs_choose_no_speculation_at_large_batch_and_a_tree_at_batch_on
     small = h.choose(1, 1, 1)
     assert small.tree is not None and not small.explore
     # What it picks maximises expected tokens per second among the candidates.
-    rates = {candidate_name(t): h._tokens(t, 1, 1, bonus=False) / STEEP.cost(1, candidate_name(t))
+    rates = {tree_name(t): h._tokens(t, 1, 1, bonus=False) / STEEP.cost(1, tree_name(t))
              for t in h.candidates}
     assert small.name == max(rates, key=rates.get)
 
@@ -77,7 +80,7 @@ def test_rows_out_of_sync_with_their_draft_count_one_token():
 
 def test_untried_trees_are_explored_and_dropped_when_they_disappoint():
     stats = AcceptanceStats(max_depth=6)
-    h = Harness([TreeConfig.chain(3)], Profile("p", {1: {"off": 0.010, "d3k1n4": 0.015}}, {}), stats=stats)
+    h = Harness([TreeConfig.chain(3)], Profile("p", {1: {"off": 0.010, "3,1,4": 0.015}}, {}), stats=stats)
     first = h.choose(1, 1, 1)  # no evidence yet: the prior and the optimism bonus want a look
     assert first.tree == TreeConfig.chain(3)
     for _ in range(50):
@@ -85,10 +88,10 @@ def test_untried_trees_are_explored_and_dropped_when_they_disappoint():
     later = h.choose(1, 1, 1)
     assert later.name == "off" and not later.explore
     # Close to a break-even cost, the optimism bonus alone asks for a look (exploration).
-    h.profile = Profile("p", {1: {"off": 0.010, "d3k1n4": 0.0105}}, {})
+    h.profile = Profile("p", {1: {"off": 0.010, "3,1,4": 0.0105}}, {})
     assert h.choose(1, 1, 1).explore
     # Evidence decays, so a tree not run for a long time is tried again at any cost that could pay.
-    h.profile = Profile("p", {1: {"off": 0.010, "d3k1n4": 0.015}}, {})
+    h.profile = Profile("p", {1: {"off": 0.010, "3,1,4": 0.015}}, {})
     for _ in range(6000):
         stats.observe(None, [])
     assert h.choose(1, 1, 1).tree == TreeConfig.chain(3)
@@ -97,8 +100,8 @@ def test_untried_trees_are_explored_and_dropped_when_they_disappoint():
 def _run_one_row(alpha, steps=4000, seed=0):
     """A batch-1 run under this CPU's measured step costs (ms) where every draft token is accepted
     with probability alpha[topk > 1] at each depth: (time relative to plain steps, choices)."""
-    ms = {"off": 20.6, "d3k1n4": 29.5, "d3k4n8": 34.9, "d4k4n16": 43.7, "d6k4n24": 55.4}
-    trees = [parse_candidate(n) for n in ms if n != "off"]
+    ms = {"off": 20.6, "3,1,4": 29.5, "3,4,8": 34.9, "4,4,16": 43.7, "6,4,24": 55.4}
+    trees = [parse_tree(n) for n in ms if n != "off"]
     h = Harness(trees, Profile("cpu", {1: {n: v / 1e3 for n, v in ms.items()}}, {}))
     rng = np.random.default_rng(seed)
     spent = tokens = 0.0
@@ -148,31 +151,31 @@ def test_acceptance_is_modelled_per_tree_width():
         stats.observe(tree, [3, 4, 2, 3])  # accepted 2, 3, 1, 2 of 3 levels
     assert stats.alpha(4)[1] > 0.85 and stats.alpha(1)[1] == pytest.approx(0.4, abs=0.02)
     assert stats.model_tokens(tree) > 2.5 > 1.75 > stats.model_tokens(chain)
-    h = Harness([chain, tree], Profile("p", {1: {"off": 0.010, "d3k1n4": 0.015, "d3k4n8": 0.017}}, {}), stats=stats)
-    assert h.choose(1, 1, 1).name == "d3k4n8"
+    h = Harness([chain, tree], Profile("p", {1: {"off": 0.010, "3,1,4": 0.015, "3,4,8": 0.017}}, {}), stats=stats)
+    assert h.choose(1, 1, 1).name == "3,4,8"
 
 
 def test_a_batch_with_sampling_rows_is_costed_as_one():
     tree = TreeConfig.chain(3)
-    prof = Profile("p", {1: {"off": 0.010, "d3k1n4": 0.015, "off:sampled": 0.011, "d3k1n4:sampled": 0.040}}, {})
+    prof = Profile("p", {1: {"off": 0.010, "3,1,4": 0.015, "off:sampled": 0.011, "3,1,4:sampled": 0.040}}, {})
     stats = AcceptanceStats(max_depth=3)
     for _ in range(300):
         stats.observe(tree, [3])
     h = Harness([tree], prof, stats=stats, sampled_stats=stats)  # the same acceptance for both kinds
-    assert h.choose(1, 1, 1).name == "d3k1n4"  # 3 tokens for 1.5x
+    assert h.choose(1, 1, 1).name == "3,1,4"  # 3 tokens for 1.5x
     c = h.choose(1, 1, 1, sampled=1)  # 3 tokens for 3.6x a plain step: plain is faster
     assert c.name == "off" and c.seconds == pytest.approx(0.011)
-    assert prof.cost(1, "d3k1n4", sampled=True) == 0.040
+    assert prof.cost(1, "3,1,4", sampled=True) == 0.040
     assert Profile("q", {1: {"off": 0.01}}, {}).cost(1, "off", sampled=True) == 0.01  # not measured: greedy's
 
 
 def test_candidates_parse_from_strings():
-    assert parse_candidate("off") is None and parse_candidate("4,4,16") == TreeConfig(4, 4, 16)
-    assert parse_candidate("d5k4n12") == TreeConfig(5, 4, 12) and parse_candidate("3,2,1") is None
-    assert candidate_name(TreeConfig(6, 4, 24)) == "d6k4n24" and candidate_name(None) == "off"
-    for bad in ("deep", "4,4", "4,4,99"):
+    assert parse_tree("off") is None and parse_tree("4,4,16") == TreeConfig(4, 4, 16)
+    assert parse_tree("5,4,12") == TreeConfig(5, 4, 12) and parse_tree("3,2,1") is None
+    assert tree_name(TreeConfig(6, 4, 24)) == "6,4,24" == TreeConfig.parse("6,4,24").name and tree_name(None) == "off"
+    for bad in ("deep", "4,4", "4,4,99", "d5k4n12"):  # one way to write a tree
         with pytest.raises(ValueError):
-            parse_candidate(bad)
+            parse_tree(bad)
 
 
 def test_cost_profile_is_measured_once_cached_on_disk_and_remeasured_on_request(tmp_path, monkeypatch):
@@ -181,43 +184,43 @@ def test_cost_profile_is_measured_once_cached_on_disk_and_remeasured_on_request(
     tgt, head = oracle_pair()
     cands = [None, TreeConfig.chain(2)]
     kw = dict(cache_dir=tmp_path, reps=2)
-    first = harness.load_or_measure(tgt, head, (1, 2), cands, 128, 140, **kw)
+    first = profiles.load_or_measure(tgt, head, (1, 2), cands, 128, 140, **kw)
     assert first.source == "measured"
     assert set(first.seconds) == {1, 2}
-    assert set(first.seconds[1]) == {"off", "d2k1n3", "off:sampled", "d2k1n3:sampled"}  # greedy and sampling rows
+    assert set(first.seconds[1]) == {"off", "2,1,3", "off:sampled", "2,1,3:sampled"}  # greedy and sampling rows
     assert all(s > 0 for row in first.seconds.values() for s in row.values())
     files = list(tmp_path.glob("*.json"))
     assert [f.name for f in files] == [first.key + ".json"]
-    assert json.loads(files[0].read_text())["meta"]["device"] == harness.device_kind()
+    assert json.loads(files[0].read_text())["meta"]["device"] == profiles.device_kind()
 
     def no_measuring(*a, **k):
         raise AssertionError("the cached profile should have been used")
 
-    monkeypatch.setattr(harness, "measure_profile", no_measuring)
-    again = harness.load_or_measure(tgt, head, (1, 2), cands, 128, 140, **kw)
+    monkeypatch.setattr(profiles, "measure_profile", no_measuring)
+    again = profiles.load_or_measure(tgt, head, (1, 2), cands, 128, 140, **kw)
     assert again.source == "cache" and again.seconds == first.seconds
     with pytest.raises(AssertionError, match="cached profile"):
-        harness.load_or_measure(tgt, head, (1, 2), cands, 128, 140, reprofile=True, **kw)
+        profiles.load_or_measure(tgt, head, (1, 2), cands, 128, 140, reprofile=True, **kw)
     # Other settings (here a longer cache) are another key, so another measurement.
-    other = harness.profile_key(tgt, head, (1, 2), ["off", "d2k1n3"], 256)
+    other = profiles.profile_key(tgt, head, (1, 2), ["off", "2,1,3"], 256)
     assert other != first.key
     # So is other step code (a step that got cheaper or dearer must be measured again).
-    monkeypatch.setattr(harness, "step_code_hash", lambda: "0" * 16)
-    assert harness.profile_key(tgt, head, (1, 2), ["off", "d2k1n3"], 128) != first.key
+    monkeypatch.setattr(profiles, "step_code_hash", lambda: "0" * 16)
+    assert profiles.profile_key(tgt, head, (1, 2), ["off", "2,1,3"], 128) != first.key
 
 
 def test_greedy_and_sampled_rows_are_estimated_apart():
     tree = TreeConfig.chain(3)
-    prof = Profile("p", {1: {"off": 0.010, "d3k1n4": 0.015}, 2: {"off": 0.010, "d3k1n4": 0.015}}, {})
+    prof = Profile("p", {1: {"off": 0.010, "3,1,4": 0.015}, 2: {"off": 0.010, "3,1,4": 0.015}}, {})
     h = Harness([tree], prof)
     for _ in range(300):  # greedy rows accept the whole chain; sampled rows accept nothing
         h.observe(tree, [4, 1], [False, True])
     assert h.stats.expected_tokens(tree) == pytest.approx(4.0, abs=0.05)
     assert h.sampled_stats.expected_tokens(tree) == pytest.approx(1.0, abs=0.05)
-    assert h.choose(1, 1, 1).name == "d3k1n4"  # a greedy row: 4 tokens for 1.5x the cost
+    assert h.choose(1, 1, 1).name == "3,1,4"  # a greedy row: 4 tokens for 1.5x the cost
     assert h.choose(1, 1, 1, sampled=1).name == "off"  # a sampled row: 1 token for 1.5x the cost
     mixed = h.choose(2, 2, 2, sampled=1)
-    assert mixed.name == "d3k1n4" and mixed.expected_tokens == pytest.approx(5.0, abs=0.1)
+    assert mixed.name == "3,1,4" and mixed.expected_tokens == pytest.approx(5.0, abs=0.1)
     snap = h.snapshot()
     assert snap["tau_ema"] == pytest.approx(4.0) and snap["sampled"]["tau_ema"] == pytest.approx(1.0)
     with pytest.raises(ValueError, match="sampled flags"):

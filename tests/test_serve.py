@@ -22,8 +22,10 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 import eagle_jax  # noqa: E402
-from eagle_jax import speculative  # noqa: E402
-from eagle_jax.harness import Choice, Profile, candidate_name  # noqa: E402
+from eagle_jax import steps as step_fns  # noqa: E402
+from eagle_jax.harness import Choice  # noqa: E402
+from eagle_jax.profiles import Profile  # noqa: E402
+from eagle_jax.tree import tree_name  # noqa: E402
 from eagle_jax.serve import ServeConfig, create_app  # noqa: E402
 from eagle_jax.serve.metrics import parse as parse_metrics  # noqa: E402
 from eagle_jax.tree import TreeConfig  # noqa: E402
@@ -115,8 +117,8 @@ def spec_server(spec_pair):
     # A synthetic cost profile under which the harness switches between speculation and plain steps as rows
     # come and go (the tiny model's real costs would make it speculate at batch 4 and never at 32); profiles
     # are measured and cached in test_harness.py.
-    profile = Profile("synthetic", {4: {"off": 1.0, "d3k2n6": 1.3, "d4k4n16": 1.6},
-                                    32: {"off": 1.0, "d3k2n6": 2.2, "d4k4n16": 3.0}}, {})
+    profile = Profile("synthetic", {4: {"off": 1.0, "3,2,6": 1.3, "4,4,16": 1.6},
+                                    32: {"off": 1.0, "3,2,6": 2.2, "4,4,16": 3.0}}, {})
     with ServerThread(create_app(tgt, head, cfg, profile=profile)) as srv:
         yield srv
 
@@ -234,7 +236,7 @@ def test_32_concurrent_streams_each_equal_their_single_request_result(spec_serve
 
     def scripted(bucket, active, synced, sampled=0):
         tree = script[next(calls) % len(script)]
-        return Choice(candidate_name(tree), tree, 0.0, 0.0)
+        return Choice(tree_name(tree), tree, 0.0, 0.0)
 
     monkeypatch.setattr(policy, "choose", scripted)
     n = 32
@@ -279,8 +281,8 @@ def test_32_concurrent_streams_each_equal_their_single_request_result(spec_serve
     assert after["eagle_generation_tokens_total"] - before.get("eagle_generation_tokens_total", 0) == sum(
         r[2].completion_tokens for r in results)
     steps = lambda m, name: m.get(f'eagle_steps_total{{config="{name}"}}', 0)
-    assert all(steps(after, c) > steps(before, c) for c in ("off", "d3k2n6", "d4k4n16"))
-    assert speculative.TRACE_COUNTS["insert_rows"] > 0
+    assert all(steps(after, c) > steps(before, c) for c in ("off", "3,2,6", "4,4,16"))
+    assert step_fns.TRACE_COUNTS["insert_rows"] > 0
 
 
 def test_bad_requests_get_openai_errors_naming_the_field_and_do_not_disturb_others(spec_server, spec_pair):

@@ -77,6 +77,6 @@ def test_load_test_script_runs_every_mode_in_smoke_mode(tmp_path):
     for r in got.values():
         assert r["tokens"] == r["requests"] * 8 and r["tokens_per_s"] > 0  # ignore_eos: exactly max_tokens each
         assert r["rounds"] == 2 and r["requests"] == 2 * 2  # the rounds alternate between the modes; both count
-    assert set(got["fixed", 1]["steps"]) == {"d3k1n4"} and set(got["plain", 2]["steps"]) == {"off"}
+    assert set(got["fixed", 1]["steps"]) == {"3,1,4"} and set(got["plain", 2]["steps"]) == {"off"}
     assert set(report["auto_ratios"]) == {"1", "2"}
     assert "auto" in run.stdout and "vs plain" in run.stdout

@@ -129,14 +129,14 @@ def test_text_stream_holds_back_partial_characters_and_possible_stop_strings():
 
 
 def test_warmup_compiles_everything_serving_runs():
-    from eagle_jax import engine
+    from eagle_jax import steps
 
     target, head = oracle_pair()
     sched = Scheduler(target, head, FixedPolicy(TreeConfig(3, 2, 6)),
                       SchedulerConfig(max_batch=2, max_model_len=64, batch_buckets=(1, 2), prefill_batches=(1, 2),
                                       shrink_patience=1))
     sched.warmup(prompt_len=24)
-    before = dict(engine.TRACE_COUNTS)
+    before = dict(steps.TRACE_COUNTS)
     col = Collector(4)
     prompts = [PROMPTS[0], PROMPTS[1], [5] * 24, PROMPTS[2]]
     for i, (p, m) in enumerate(zip(prompts, [4, 30, 8, 12])):  # joins, leaves, batch grows and shrinks
@@ -147,4 +147,4 @@ def test_warmup_compiles_everything_serving_runs():
     finally:
         sched.shutdown()
     assert col.end == ["length"] * 4
-    assert dict(engine.TRACE_COUNTS) == before  # no request waited for a compile
+    assert dict(steps.TRACE_COUNTS) == before  # no request waited for a compile

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 import eagle_jax
-from eagle_jax import engine, speculative
+from eagle_jax import engine, profiles, rows, steps
+from eagle_jax.sampling import SamplingParams
+from eagle_jax.tree import parse_tree, tree_name
 from eagle_jax.draft import DraftLoadError, load_draft, random_head, save_draft
 from eagle_jax.tree import TreeConfig
 from test_decoding import PROMPTS, TINY, tiny_target
@@ -106,12 +108,12 @@ def test_no_recompilation_across_steps_or_calls(oracle):
     tgt, head = oracle
     tree = TreeConfig(3, 2, 6)
     eagle_jax.generate(tgt, [PROMPTS[0], PROMPTS[3]], draft=head, tree=tree, max_new_tokens=12)
-    before = dict(engine.TRACE_COUNTS)
+    before = dict(steps.TRACE_COUNTS)
     # Same buckets (batch 2, prompts <= 16 tokens, cache 128), other prompts, lengths and sampling.
     r = eagle_jax.generate(tgt, [PROMPTS[2], [5] * 9], draft=head, tree=tree, max_new_tokens=20,
                            temperature=0.8, seed=5)
     assert r.stats["steps"] > 3
-    assert dict(engine.TRACE_COUNTS) == before
+    assert dict(steps.TRACE_COUNTS) == before
 
 
 def _first_two(tgt, head, n, temperature, top_k, top_p, tree=None):
@@ -161,12 +163,12 @@ def test_a_broken_acceptance_rule_fails_the_two_token_test(small_oracle, monkeyp
     tgt, head = small_oracle
     n = 20480
     plain = _first_two(tgt, None, n, 1.0, 0, 1.0)
-    monkeypatch.setattr(speculative, "ACCEPT_RULE", "broken")
+    monkeypatch.setattr(steps, "ACCEPT_RULE", "broken")
     jax.clear_caches()
     try:
         spec = _first_two(tgt, head, n, 1.0, 0, 1.0, TreeConfig(2, 3, 7))
     finally:
-        monkeypatch.setattr(speculative, "ACCEPT_RULE", "exact")
+        monkeypatch.setattr(steps, "ACCEPT_RULE", "exact")
         jax.clear_caches()
     assert _two_sample_p(plain, spec, 12) < 0.01
 
@@ -239,7 +241,7 @@ def test_switching_tree_configs_between_steps_needs_no_recompile_and_stays_lossl
     tgt, head = oracle
     prompts = MORE_PROMPTS[:4]
     plain = eagle_jax.generate(tgt, prompts, max_new_tokens=30).token_ids
-    eng = speculative.spec_engine_for(tgt, head)
+    eng = engine.engine_for(tgt, head)
     trees = [TreeConfig(4, 4, 1), TreeConfig.chain(3), TreeConfig(4, 4, 16), TreeConfig(2, 2, 5)]
     b, s_len = 4, 128
     depth, topk = 4, 4  # the draft cache is sized for the largest tree
@@ -247,27 +249,27 @@ def test_switching_tree_configs_between_steps_needs_no_recompile_and_stays_lossl
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
     params = SamplingParams.make(b)
-    st = speculative.spec_prefill(eng.graphdef, eng.state, eng.head_graphdef, eng.head_state, jnp.asarray(tokens),
+    st = steps.prefill(eng.graphdef, eng.state, eng.head_graphdef, eng.head_state, jnp.asarray(tokens),
                                   jnp.asarray([len(p) for p in prompts], jnp.int32), tgt.model.init_cache(b, s_len),
                                   head.init_cache(b, s_len + (depth - 1) * topk + depth + 1), params)
     out = [[int(t)] for t in np.asarray(st.root)]
     active = jnp.ones((b,), bool)
     for tree in trees:  # compile each once
-        speculative.spec_step(eng.graphdef, eng.state, eng.head_graphdef, eng.head_state,
+        steps.step(eng.graphdef, eng.state, eng.head_graphdef, eng.head_state,
                               jax.tree_util.tree_map(jnp.copy, st), params, active, tree)
-    before = dict(engine.TRACE_COUNTS)
+    before = dict(steps.TRACE_COUNTS)
     step = 0
     while min(len(o) for o in out) < 30:
-        st, emitted, count = speculative.spec_step(eng.graphdef, eng.state, eng.head_graphdef, eng.head_state, st,
+        st, emitted, count = steps.step(eng.graphdef, eng.state, eng.head_graphdef, eng.head_state, st,
                                                    params, active, trees[step % len(trees)])
         for r in range(b):
             out[r] += np.asarray(emitted)[r, : int(count[r])].tolist()
         step += 1
-    assert dict(engine.TRACE_COUNTS) == before
+    assert dict(steps.TRACE_COUNTS) == before
     assert [o[:30] for o in out] == plain
 
 
-@pytest.mark.parametrize("plain", [5, speculative.CATCHUP + 3], ids=["held", "past-a-full-buffer"])
+@pytest.mark.parametrize("plain", [5, steps.CATCHUP + 3], ids=["held", "past-a-full-buffer"])
 def test_plain_steps_leave_pairs_the_draft_catches_up_on(deep_target, plain):
     """A plain step with the head keeps the target's features; the draft consumes them at the next
     speculative step (or when CATCHUP are held) and ends where a draft refreshed every step ends."""
@@ -275,7 +277,7 @@ def test_plain_steps_leave_pairs_the_draft_catches_up_on(deep_target, plain):
 
     tgt = deep_target
     head = random_head(tgt.cfg, "eagle3", seed=5, draft_vocab_size=60)
-    eng = speculative.SpecEngine(tgt, head)
+    eng = engine.Engine(tgt, head)
     prompts = MORE_PROMPTS[:2]
     b, s_len = 2, 96
     tokens = np.zeros((b, 24), np.int32)
@@ -286,24 +288,24 @@ def test_plain_steps_leave_pairs_the_draft_catches_up_on(deep_target, plain):
     parts = (eng.graphdef, eng.state, eng.head_graphdef, eng.head_state)
 
     def prefill():
-        return speculative.spec_prefill(*parts, jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts], jnp.int32),
+        return steps.prefill(*parts, jnp.asarray(tokens), jnp.asarray([len(p) for p in prompts], jnp.int32),
                                         tgt.model.init_cache(b, s_len), head.init_cache(b, s_len + 32), params)
 
     # Row 1 sits out the first two steps (inactive rows hold nothing and commit nothing).
     masks = [jnp.asarray([True, i >= 2]) for i in range(plain)]
     a, ref, emitted_a, emitted_ref = prefill(), prefill(), [], []
     for m in masks:
-        a, e, c = speculative.verify_step(eng.graphdef, eng.state, a, params, m, eng.head_graphdef, eng.head_state)
+        a, e, c = steps.step(*parts, a, params, m)
         emitted_a.append((np.asarray(e)[:, 0] * np.asarray(c)).tolist())
-        ref, e, c = speculative.spec_step(*parts, ref, params, m, sync)
+        ref, e, c = steps.step(*parts, ref, params, m, sync)
         emitted_ref.append((np.asarray(e)[:, 0] * np.asarray(c)).tolist())
     assert emitted_a == emitted_ref
     held = np.zeros(b, int)  # a row reaching CATCHUP makes the draft catch up on every row
     for m in masks:
         held += np.asarray(m)
-        held = held * (held.max() < speculative.CATCHUP)
+        held = held * (held.max() < steps.CATCHUP)
     np.testing.assert_array_equal(np.asarray(a.lag_n), held)
-    assert held.sum() > 0 and (plain < speculative.CATCHUP or held.max() < plain - 2)
+    assert held.sum() > 0 and (plain < steps.CATCHUP or held.max() < plain - 2)
     np.testing.assert_array_equal(np.asarray(a.draft_cache.lengths) + np.asarray(a.lag_n),
                                   np.asarray(ref.draft_cache.lengths))
 
@@ -317,12 +319,12 @@ def test_plain_steps_leave_pairs_the_draft_catches_up_on(deep_target, plain):
 
     from flax import nnx
 
-    caught_up = jax.jit(lambda s: speculative.catch_up(nnx.merge(eng.graphdef, eng.state),
+    caught_up = jax.jit(lambda s: steps.catch_up(nnx.merge(eng.graphdef, eng.state),
                                                        nnx.merge(eng.head_graphdef, eng.head_state), s))
     same_draft(caught_up(jax.tree_util.tree_map(jnp.copy, a)), ref)
     # A speculative step catches up first, then steps exactly like the reference.
-    a, e_a, c_a = speculative.spec_step(*parts, a, params, jnp.ones((b,), bool), TreeConfig.chain(2))
-    ref, e_r, c_r = speculative.spec_step(*parts, ref, params, jnp.ones((b,), bool), TreeConfig.chain(2))
+    a, e_a, c_a = steps.step(*parts, a, params, jnp.ones((b,), bool), TreeConfig.chain(2))
+    ref, e_r, c_r = steps.step(*parts, ref, params, jnp.ones((b,), bool), TreeConfig.chain(2))
     np.testing.assert_array_equal(np.asarray(c_a), np.asarray(c_r))
     np.testing.assert_array_equal(np.asarray(e_a), np.asarray(e_r))
     same_draft(a, ref)
@@ -337,10 +339,10 @@ def _profile(tmp_path, tgt, head, b, s_len, extra, seconds):
 
     from eagle_jax import harness
 
-    cands = [None] + [t for t in map(harness.parse_candidate, harness.DEFAULT_CANDIDATES) if t is not None]
-    names = [harness.candidate_name(t) for t in cands]
-    key = harness.profile_key(tgt, head, [b], names, s_len)
-    prof = harness.Profile(key, {b: {n: seconds(harness.parse_candidate(n)) for n in names}}, meta={})
+    cands = [None] + [t for t in map(parse_tree, harness.DEFAULT_CANDIDATES) if t is not None]
+    names = [tree_name(t) for t in cands]
+    key = profiles.profile_key(tgt, head, [b], names, s_len)
+    prof = profiles.Profile(key, {b: {n: seconds(parse_tree(n)) for n in names}}, meta={})
     (tmp_path / f"{key}.json").write_text(json.dumps(prof.to_json()))
 
 
@@ -350,11 +352,11 @@ def test_auto_tree_is_lossless_and_follows_the_costs(tmp_path):
     tgt, head = oracle_pair()
     prompts = [PROMPTS[0]]
     plain = eagle_jax.generate(tgt, prompts, max_new_tokens=24, chat=False)
-    eng = speculative.SpecEngine(tgt, head)
-    params = engine.SamplingParams.make(1)
-    trees = [t for t in map(harness.parse_candidate, harness.DEFAULT_CANDIDATES) if t is not None]
-    _, _, _, s_len = engine.prepare_batch(tgt.cfg, [PROMPTS[0]], 24, params, slack=harness.tree_slack(trees))
-    extra = harness.draft_extra(trees)
+    eng = engine.Engine(tgt, head)
+    params = SamplingParams.make(1)
+    trees = [t for t in map(parse_tree, harness.DEFAULT_CANDIDATES) if t is not None]
+    _, _, s_len = rows.batch_shapes(tgt.cfg.max_position, [PROMPTS[0]], 24, slack=steps.tree_slack(trees))
+    extra = steps.draft_extra(trees)
     # Verifying is free (an accelerator far from its limits): the harness drafts, and the oracle head's
     # drafts are accepted, so tau is high.
     flat = tmp_path / "flat"
@@ -366,13 +368,13 @@ def test_auto_tree_is_lossless_and_follows_the_costs(tmp_path):
     # Greedy and sampled rows teach separate statistics (sampled acceptance is much lower in general).
     greedy, sampled = eng.acceptance
     assert sum(greedy.n.values()) > 0 and sum(sampled.n.values()) == 0
-    r = eng.generate([PROMPTS[0]], max_new_tokens=24, params=engine.SamplingParams.make(1, temperature=1.0, seed=3),
+    r = eng.generate([PROMPTS[0]], max_new_tokens=24, params=SamplingParams.make(1, temperature=1.0, seed=3),
                      tree="auto", profile_dir=flat)
     assert len(r.token_ids[0]) == 24 and sum(sampled.n.values()) > 0 and eng.acceptance == (greedy, sampled)
     # Every token verified costs a full step (a slow CPU): plain steps win and are chosen.
     steep = tmp_path / "steep"
     steep.mkdir()
-    eng2 = speculative.SpecEngine(tgt, head)
+    eng2 = engine.Engine(tgt, head)
     _profile(steep, tgt, head, 1, s_len, extra, lambda t: 0.01 * (1 if t is None else t.tree_tokens))
     r = eng2.generate([PROMPTS[0]], max_new_tokens=24, params=params, tree="auto", profile_dir=steep)
     assert r.token_ids == plain.token_ids
@@ -385,37 +387,37 @@ def test_auto_tree_compiles_every_candidate_up_front_when_the_profile_comes_from
     from eagle_jax import harness
 
     tgt, head = oracle_pair()
-    params = engine.SamplingParams.make(1)
-    trees = [t for t in map(harness.parse_candidate, harness.DEFAULT_CANDIDATES) if t is not None]
-    _, _, _, s_len = engine.prepare_batch(tgt.cfg, [PROMPTS[2]], 40, params, slack=harness.tree_slack(trees))
+    params = SamplingParams.make(1)
+    trees = [t for t in map(parse_tree, harness.DEFAULT_CANDIDATES) if t is not None]
+    _, _, s_len = rows.batch_shapes(tgt.cfg.max_position, [PROMPTS[2]], 40, slack=steps.tree_slack(trees))
     # Costs that make the harness switch among trees and plain steps: nothing may compile mid-generation
     # (a bench or a server would time the compile), so all candidates compile before the first step.
     _profile(tmp_path, tgt, head, 1, s_len, None, lambda t: 0.01 * (1 if t is None else 1 + 0.05 * t.tree_tokens))
     compiled = []  # trace counts right after the up-front compile
-    real = harness.compile_candidates
+    real = profiles.compile_candidates
 
     def spy(*args, **kwargs):
         real(*args, **kwargs)
-        compiled.append({k: engine.TRACE_COUNTS[k] for k in ("spec_step", "verify_step")})
+        compiled.append({k: steps.TRACE_COUNTS[k] for k in ("step",)})
 
-    monkeypatch.setattr(harness, "compile_candidates", spy)
-    before = {k: engine.TRACE_COUNTS[k] for k in ("spec_step", "verify_step")}
-    eng = speculative.SpecEngine(tgt, head)
+    monkeypatch.setattr(profiles, "compile_candidates", spy)
+    before = {k: steps.TRACE_COUNTS[k] for k in ("step",)}
+    eng = engine.Engine(tgt, head)
     r = eng.generate([PROMPTS[2]], max_new_tokens=40, params=params, tree="auto", profile_dir=tmp_path)
     assert r.stats["profile"] == "cache" and len(r.stats["choices"]) >= 2
     assert len(compiled) == 1
-    after = {k: engine.TRACE_COUNTS[k] for k in ("spec_step", "verify_step")}
+    after = {k: steps.TRACE_COUNTS[k] for k in ("step",)}
     assert after == compiled[0], (before, compiled, after)  # nothing compiled once the steps began
     # At most one trace per candidate overall (fewer when an earlier test compiled these shapes).
-    assert after["spec_step"] - before["spec_step"] <= len(trees) and after["verify_step"] - before["verify_step"] <= 1
+    assert after["step"] - before["step"] <= len(trees) + 1
 
 
 def test_auto_tree_measures_a_profile_when_none_is_cached(tmp_path):
     tgt, head = oracle_pair()
     batch = [PROMPTS[0], PROMPTS[1]]
     plain = eagle_jax.generate(tgt, batch, max_new_tokens=12, chat=False)
-    r = speculative.SpecEngine(tgt, head).generate(
-        [list(p) for p in batch], max_new_tokens=12, params=engine.SamplingParams.make(2), tree="auto",
+    r = engine.Engine(tgt, head).generate(
+        [list(p) for p in batch], max_new_tokens=12, params=SamplingParams.make(2), tree="auto",
         profile_dir=tmp_path)
     assert r.token_ids == plain.token_ids and r.stats["profile"] == "measured"
     assert len(list(tmp_path.glob("*.json"))) == 1  # cached for the next call

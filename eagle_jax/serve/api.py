@@ -517,7 +517,7 @@ def create_app(target, head=None, config=None, *, profile=None, metrics: Metrics
     unless `profile` is given), the scheduler (compiling its steps when config.warmup) and the FastAPI app.
     The scheduler thread starts with the app (its lifespan) and stops with it; `app.state.api` holds it all.
     """
-    from eagle_jax import harness
+    from eagle_jax import harness, profiles, steps
     from eagle_jax.serve.config import ConfigError, ServeConfig
     from eagle_jax.serve.scheduler import SchedulerConfig, cache_length
 
@@ -541,8 +541,8 @@ def create_app(target, head=None, config=None, *, profile=None, metrics: Metrics
         candidates = [None] + trees
         if profile is None:
             cache_len = cache_length(max_model_len, candidates)
-            profile = harness.load_or_measure(
-                target, head, sched_cfg.buckets(), candidates, cache_len, cache_len + harness.draft_extra(candidates),
+            profile = profiles.load_or_measure(
+                target, head, sched_cfg.buckets(), candidates, cache_len, cache_len + steps.draft_extra(candidates),
                 cache_dir=config.profile_dir, reprofile=config.reprofile, reps=config.profile_reps)
         policy = harness.Harness(trees, profile)
     scheduler = Scheduler(target, head, policy, sched_cfg, metrics)

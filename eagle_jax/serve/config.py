@@ -11,7 +11,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from eagle_jax.harness import DEFAULT_CANDIDATES, parse_candidate
+from eagle_jax.harness import DEFAULT_CANDIDATES
+from eagle_jax.tree import parse_tree
 
 
 class ConfigError(ValueError):
@@ -59,7 +60,7 @@ class ServeConfig:
         self.speculation_mode()  # validates
         for c in self.candidates:
             try:
-                parse_candidate(c)
+                parse_tree(c)
             except ValueError as e:
                 raise ConfigError(f"candidates: {e}") from None
 
@@ -70,7 +71,7 @@ class ServeConfig:
             return s, None
         if s.startswith("fixed:"):
             try:
-                tree = parse_candidate(s[len("fixed:"):])
+                tree = parse_tree(s[len("fixed:"):])
             except ValueError as e:
                 raise ConfigError(f"speculation: {e}") from None
             return ("fixed", tree) if tree is not None else ("off", None)
@@ -85,7 +86,7 @@ class ServeConfig:
         return self.max_model_len
 
     def candidate_trees(self):
-        return [parse_candidate(c) for c in self.candidates]
+        return [parse_tree(c) for c in self.candidates]
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(ServeConfig)}

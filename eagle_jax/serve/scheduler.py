@@ -8,8 +8,8 @@ Each loop iteration:
 2. admits waiting requests into free slots, one prefill batch at a time (at most `prefill_batches[-1]`
    requests and `prefill_tokens` padded prompt tokens), so running rows wait for at most one prefill
    between two of their steps. Newcomers are prefilled as their own batch (prompt-length bucket, same
-   cache length) and scattered into free rows (`speculative.insert_rows`); when the bucket is too
-   small the state is first gathered into a larger one (`speculative.take_rows`);
+   cache length) and scattered into free rows (`rows.insert_rows`); when the bucket is too
+   small the state is first gathered into a larger one (`rows.take_rows`);
 3. runs one step for all rows with the candidate the policy picks (the harness, a fixed tree, or plain
    decoding); rows without a request pass active=False and commit nothing;
 4. hands each request its new tokens; rows that hit EOS or max_tokens leave, and the batch shrinks to
@@ -34,11 +34,13 @@ from typing import Callable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from eagle_jax import engine, speculative
-from eagle_jax.harness import candidate_name, draft_extra, tree_slack
+from eagle_jax.engine import engine_for
+from eagle_jax.rows import insert_rows, length_bucket, pad_prompts, take_rows
 from eagle_jax.sampling import SamplingParams
+from eagle_jax.steps import DecodeState, draft_extra, empty_state, tree_slack
+from eagle_jax.stream import TokenStream
+from eagle_jax.tree import tree_name
 
 log = logging.getLogger("eagle_jax.serve")
 
@@ -80,7 +82,7 @@ class Request:
             raise ValueError(f"invalid sampling parameters: temperature {temperature}, top_p {top_p}, top_k {top_k}")
         self.ignore_eos = ignore_eos
         self.sink = sink
-        self.generated = 0
+        self.stream: TokenStream | None = None  # EOS / max_tokens, set when the request gets a slot
         self.finish_reason: str | None = None
         self.slot: int | None = None
 
@@ -126,8 +128,7 @@ class Scheduler:
         if trees and head is None:
             raise ValueError("speculation needs a draft head; use plain decoding (speculation 'off') without one")
         self.target, self.head, self.policy, self.config, self.metrics = target, head, policy, config, metrics
-        self.graphdef, self.params_state = nnx.split(target.model)
-        self.head_graphdef, self.head_state = nnx.split(head) if head is not None else (None, None)
+        self.engine = engine_for(target, head)  # the same jitted steps as generate and bench
         self.buckets = config.buckets()
         self.prefill_batches = tuple(sorted(set(config.prefill_batches)))
         self.cache_len = cache_length(config.max_model_len, trees)
@@ -142,7 +143,7 @@ class Scheduler:
         self._n_running = 0  # guarded by _lock (submit reads it)
 
         # Loop-thread state.
-        self.state: speculative.SpecState | None = None
+        self.state: DecodeState | None = None
         self.slots: list[Request | None] = []
         self.synced = np.zeros(0, bool)  # row has a draft in step with its target (plain steps keep it so)
         self._params = None  # device SamplingParams for the current slots
@@ -263,10 +264,10 @@ class Scheduler:
         """Gathers the running rows (compacted to the front) into a state of `bucket` rows."""
         rows = [i for i, r in enumerate(self.slots) if r is not None]
         if self.state is None:
-            self.state = speculative.empty_state(self.target, self.head, bucket, self.cache_len, self.draft_len)
+            self.state = empty_state(self.target, self.head, bucket, self.cache_len, self.draft_len)
         else:
             src = np.asarray(rows + [-1] * (bucket - len(rows)), np.int32)
-            self.state = speculative.take_rows(self.state, jnp.asarray(src))
+            self.state = take_rows(self.state, jnp.asarray(src))
         self.slots = [self.slots[i] for i in rows] + [None] * (bucket - len(rows))
         synced = np.zeros(bucket, bool)
         synced[: len(rows)] = self.synced[rows] if len(rows) else False
@@ -295,7 +296,7 @@ class Scheduler:
                 nxt = self._waiting[0]
                 longest = max([len(r.prompt_ids) for r in out] + [len(nxt.prompt_ids)])
                 b = next(x for x in self.prefill_batches if x >= len(out) + 1)
-                if out and b * engine.length_bucket(longest) > self.config.prefill_tokens:
+                if out and b * length_bucket(longest) > self.config.prefill_tokens:
                     break
                 out.append(self._waiting.popleft())
             self._n_running += len(out)
@@ -317,17 +318,13 @@ class Scheduler:
             k = len(newcomers)
             b = next(x for x in self.prefill_batches if x >= k)
             t = self._prompt_bucket(max(len(r.prompt_ids) for r in newcomers))
-            tokens = np.zeros((b, t), np.int32)
-            lens = np.ones((b,), np.int32)
-            for i, r in enumerate(newcomers):
-                tokens[i, : len(r.prompt_ids)] = r.prompt_ids
-                lens[i] = len(r.prompt_ids)
+            tokens, lens = pad_prompts([r.prompt_ids for r in newcomers], b, t)
             params = SamplingParams.make(k, [r.temperature for r in newcomers], [r.top_k for r in newcomers],
                                          [r.top_p for r in newcomers], [r.seed for r in newcomers]).pad_to(b)
             t0 = time.perf_counter()
             new = self._prefill(tokens, lens, params)
             dst = np.asarray(free_slots + [len(self.slots)] * (b - k), np.int32)
-            self.state = speculative.insert_rows(self.state, new, jnp.asarray(dst))
+            self.state = insert_rows(self.state, new, jnp.asarray(dst))
             first = np.asarray(new.root)
             dt = time.perf_counter() - t0
         except Exception as e:
@@ -346,25 +343,18 @@ class Scheduler:
         for i, (slot, r) in enumerate(zip(free_slots, newcomers)):
             self.slots[slot] = r
             r.slot = slot
+            r.stream = TokenStream(None, max_tokens=r.max_tokens, eos_ids=() if r.ignore_eos else self.eos)
             self.synced[slot] = self.head is not None
         for i, (slot, r) in enumerate(zip(free_slots, newcomers)):
             self._deliver(slot, [int(first[i])])
 
     def _prompt_bucket(self, n: int) -> int:
         # Half-octave buckets, but never wider than the cache the prompt is written into.
-        return min(engine.length_bucket(n), self.cache_len)
+        return min(length_bucket(n), self.cache_len)
 
-    def _prefill(self, tokens, lens, params) -> speculative.SpecState:
+    def _prefill(self, tokens, lens, params) -> DecodeState:
         """Prefills a batch of newcomers [b, t] into a fresh state of the running cache length."""
-        b = tokens.shape[0]
-        cache = self.target.model.init_cache(b, self.cache_len)
-        if self.head is None:
-            root, cache = engine.prefill_step(self.graphdef, self.params_state, jnp.asarray(tokens), jnp.asarray(lens),
-                                              cache, params)
-            return speculative.headless_state(cache, root)
-        return speculative.spec_prefill(self.graphdef, self.params_state, self.head_graphdef, self.head_state,
-                                        jnp.asarray(tokens), jnp.asarray(lens), cache,
-                                        self.head.init_cache(b, self.draft_len), params)
+        return self.engine.run_prefill(tokens, lens, self.cache_len, self.draft_len, params)
 
     def _recover_if_broken(self) -> None:
         """After a failed jitted call the donated state may be gone: fail the running rows and start over."""
@@ -396,14 +386,7 @@ class Scheduler:
         params = self._sampling_params()
         t0 = time.perf_counter()
         try:
-            if choice.tree is None:
-                self.state, emitted, count = speculative.verify_step(self.graphdef, self.params_state, self.state,
-                                                                     params, jnp.asarray(active),
-                                                                     self.head_graphdef, self.head_state)
-            else:
-                self.state, emitted, count = speculative.spec_step(
-                    self.graphdef, self.params_state, self.head_graphdef, self.head_state, self.state, params,
-                    jnp.asarray(active), choice.tree)
+            self.state, emitted, count = self.engine.run_step(self.state, params, active, choice.tree)
             emitted, count = np.asarray(emitted), np.asarray(count)
         except Exception as e:
             log.exception("decoding step failed")
@@ -437,22 +420,13 @@ class Scheduler:
     def _deliver(self, slot: int, tokens: list[int]) -> int:
         """Hands a row's new tokens to its request, stopping at EOS / max_tokens. Returns tokens delivered."""
         req = self.slots[slot]
-        out, reason = [], None
-        for t in tokens:
-            out.append(t)
-            req.generated += 1
-            if t in self.eos and not req.ignore_eos:
-                reason = "stop"
-                break
-            if req.generated >= req.max_tokens:
-                reason = "length"
-                break
+        out = tokens[: req.stream.push(tokens)]
         if out:
             req._emit(Event("tokens", tokens=tuple(out)))
             if self.metrics is not None:
                 self.metrics.inc("eagle_generation_tokens_total", len(out))
-        if reason is not None:
-            self._finish(slot, reason)
+        if req.stream.done:
+            self._finish(slot, req.stream.reason)
         return len(out)
 
     def _maybe_shrink(self) -> None:
@@ -471,32 +445,26 @@ class Scheduler:
         bucket, prefills of every prefill batch and prompt bucket up to `prompt_len` tokens, the row
         scatters and the bucket changes. Returns seconds."""
         t0 = time.perf_counter()
-        empty = lambda b: speculative.empty_state(self.target, self.head, b, self.cache_len, self.draft_len)
+        empty = lambda b: empty_state(self.target, self.head, b, self.cache_len, self.draft_len)
         limit = min(prompt_len, self.config.max_model_len - 1)
         prompt_buckets = sorted({self._prompt_bucket(n) for n in range(1, limit + 1)})
         for b in self.prefill_batches:
             for t in prompt_buckets:
                 new = self._prefill(np.zeros((b, t), np.int32), np.ones((b,), np.int32), SamplingParams.make(b))
             for bucket in self.buckets:
-                speculative.insert_rows(empty(bucket), new, jnp.full((b,), bucket, jnp.int32)).root.block_until_ready()
+                insert_rows(empty(bucket), new, jnp.full((b,), bucket, jnp.int32)).root.block_until_ready()
         log.info("warm-up: prefills compiled (batches %s, prompt buckets %s)", self.prefill_batches, prompt_buckets)
         for src in self.buckets:
             for dst in self.buckets:
                 if src != dst:
-                    speculative.take_rows(empty(src), jnp.full((dst,), -1, jnp.int32)).root.block_until_ready()
+                    take_rows(empty(src), jnp.full((dst,), -1, jnp.int32)).root.block_until_ready()
         trees = [t for t in getattr(self.policy, "candidates", [getattr(self.policy, "tree", None)])]
         for b in self.buckets:
             params = SamplingParams.make(b)
             active = jnp.zeros((b,), bool)
             for tree in trees:
-                s = speculative.empty_state(self.target, self.head, b, self.cache_len, self.draft_len)
-                if tree is None:
-                    out = speculative.verify_step(self.graphdef, self.params_state, s, params, active,
-                                                  self.head_graphdef, self.head_state)
-                else:
-                    out = speculative.spec_step(self.graphdef, self.params_state, self.head_graphdef,
-                                                self.head_state, s, params, active, tree)
+                out = self.engine.run_step(empty(b), params, active, tree)
                 out[2].block_until_ready()
-            log.info("warm-up: batch bucket %d compiled (%s)", b, ", ".join(candidate_name(t) for t in trees))
+            log.info("warm-up: batch bucket %d compiled (%s)", b, ", ".join(tree_name(t) for t in trees))
         log.info("warm-up done in %.1f s", time.perf_counter() - t0)
         return time.perf_counter() - t0

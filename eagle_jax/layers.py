@@ -1,0 +1,91 @@
+"""The decoder layer's math, shared by the target (`eagle_jax.model`) and the draft heads (`eagle_jax.draft`).
+
+Pure functions over arrays: RMSNorm, rotary embeddings, the q/k/v projection, attention through the KV
+cache (`pallas_kernels.tree_attention`, which takes a causal or a tree mask), and the layer's tail
+(output projection, residual, SwiGLU MLP). A change to the layer math goes here, once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle_jax.config import rope_inv_freq
+from eagle_jax.kv_cache import write_rows
+from pallas_kernels import tree_attention
+
+
+def rms_norm(x, weight, eps):
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def apply_rope(x, positions, inv_freq):
+    """Rotary embedding in the rotate-half layout (the Hugging Face convention). x [B,T,H,D]."""
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def rope_frequencies(rope, head_dim: int) -> np.ndarray:
+    """Inverse rotary frequencies [head_dim / 2] of a (hashable) RopeConfig: a trace-time constant."""
+    return np.asarray(rope_inv_freq(rope, head_dim), np.float32)
+
+
+def causal_mask(t: int):
+    return jnp.tril(jnp.ones((t, t), dtype=bool))
+
+
+def param_factories(rngs: nnx.Rngs, dtype):
+    """(random normal(0.02), ones, zeros) parameter constructors taking a shape."""
+    init = nnx.initializers.normal(0.02)
+    return (lambda *shape: nnx.Param(init(rngs.params(), shape, dtype)),
+            lambda *shape: nnx.Param(jnp.ones(shape, dtype)),
+            lambda *shape: nnx.Param(jnp.zeros(shape, dtype)))
+
+
+def project_qkv(h, wq, wk, wv, *, num_heads: int, num_kv_heads: int, head_dim: int, positions, rope,
+                biases=None, qk_norms=None, eps: float = 1e-6):
+    """q [B,T,Hq,D], k and v [B,T,K,D] from the layer input h [B,T,*], with rotary embeddings at
+    `positions` [B,T]; optional q/k/v biases and per-head q/k norms (Qwen3)."""
+    b, t, _ = h.shape
+    q, k, v = h @ wq, h @ wk, h @ wv
+    if biases is not None:
+        q, k, v = q + biases[0], k + biases[1], v + biases[2]
+    q = q.reshape(b, t, num_heads, head_dim)
+    k = k.reshape(b, t, num_kv_heads, head_dim)
+    v = v.reshape(b, t, num_kv_heads, head_dim)
+    if qk_norms is not None:
+        q, k = rms_norm(q, qk_norms[0], eps), rms_norm(k, qk_norms[1], eps)
+    inv_freq = jnp.asarray(rope_frequencies(rope, head_dim))
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+
+def cached_attention(q, k, v, k_cache, v_cache, *, starts, lengths, tree_mask):
+    """Writes the new keys / values at each row's slots [starts, starts + T) and attends over the
+    committed prefix [0, lengths) plus the scratch keys [lengths, lengths + M) that tree_mask [B,T,M]
+    selects. Returns (attention output [B,T,Hq,D], k_cache, v_cache)."""
+    k_cache = write_rows(k_cache, k, starts)
+    v_cache = write_rows(v_cache, v, starts)
+    return tree_attention(q, k_cache, v_cache, lengths, tree_mask), k_cache, v_cache
+
+
+def layer_tail(residual, attn, wo, mlp_norm, w_gate, w_up, w_down, eps, bo=None):
+    """The rest of a decoder layer after attention: output projection onto the residual, then the
+    pre-normed SwiGLU MLP with its own residual. attn [B,T,Hq,D]."""
+    b, t = attn.shape[:2]
+    o = attn.reshape(b, t, -1) @ wo
+    if bo is not None:
+        o = o + bo
+    x = residual + o
+    h = rms_norm(x, mlp_norm, eps)
+    return x + (jax.nn.silu(h @ w_gate) * (h @ w_up)) @ w_down

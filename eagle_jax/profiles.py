@@ -1,0 +1,195 @@
+"""Cost profiles for the load-aware harness: what one whole jitted step costs on this device.
+
+Measured once per device + model + head: the seconds of one `steps.step` (draft + verify + accept +
+commit) for every candidate (a tree, or "off": a plain step) and every batch bucket, at the server's
+cache length, with every row greedy ("<name>") and every row sampling ("<name>:sampled"). Measuring
+whole steps is the most faithful way to capture what a candidate costs on this hardware. Profiles are
+cached as JSON under $EAGLE_JAX_CACHE/harness (default ~/.cache/eagle_jax/harness), keyed by a hash of
+everything that changes the numbers (device, JAX version, model and head configs, the step's code).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import re
+import time
+from pathlib import Path
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle_jax import steps
+from eagle_jax.sampling import SamplingParams
+from eagle_jax.tree import TreeConfig, tree_name
+
+log = logging.getLogger("eagle_jax.harness")
+
+SAMPLED = ":sampled"  # a profile entry "<candidate>:sampled" is that step's cost when a row samples
+
+
+@dataclasses.dataclass
+class Profile:
+    key: str
+    seconds: dict[int, dict[str, float]]  # batch bucket -> candidate name -> seconds of one step
+    meta: dict
+    source: str = "given"  # "measured" | "cache" | "given"
+
+    def cost(self, bucket: int, name: str, sampled: bool = False) -> float:
+        """Step seconds at `bucket` (the nearest profiled bucket at or above it, else the largest); with
+        `sampled`, of a step where some row samples (its acceptance and draws cost more), when measured."""
+        buckets = sorted(self.seconds)
+        b = next((x for x in buckets if x >= bucket), buckets[-1])
+        row = self.seconds[b]
+        if sampled and name + SAMPLED in row:
+            return row[name + SAMPLED]
+        if name not in row:
+            raise KeyError(f"cost profile has no candidate {name!r} (has {', '.join(row)})")
+        return row[name]
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "meta": self.meta,
+                "seconds": {str(b): row for b, row in sorted(self.seconds.items())}}
+
+    @classmethod
+    def from_json(cls, data: dict, source: str = "cache") -> "Profile":
+        return cls(key=data["key"], meta=data.get("meta", {}),
+                   seconds={int(b): {k: float(v) for k, v in row.items()} for b, row in data["seconds"].items()},
+                   source=source)
+
+
+def device_kind() -> str:
+    d = jax.devices()[0]
+    return f"{d.platform}:{getattr(d, 'device_kind', 'unknown')}:{jax.device_count()}"
+
+
+# The modules whose code makes up a step: a change to any of them changes what a step costs.
+STEP_MODULES = ("steps", "layers", "accept", "sampling", "tree", "kv_cache", "model", "draft")
+
+
+def step_code_hash() -> str:
+    """A hash of the source of the modules a step runs (`STEP_MODULES`)."""
+    h = hashlib.sha256()
+    here = Path(__file__).resolve().parent
+    for name in STEP_MODULES:
+        h.update((here / f"{name}.py").read_bytes())
+    return h.hexdigest()[:16]
+
+
+def profile_key(target, head, buckets: Sequence[int], candidates: Sequence[str], cache_len: int) -> str:
+    """A readable, file-safe key: model name + a hash of device, model and head configs, buckets,
+    candidates, cache length and the step's code (head weights do not change step costs; its
+    architecture does), so a profile is measured again after anything that changes the numbers."""
+    ident = {
+        "device": device_kind(), "jax": jax.__version__, "code": step_code_hash(),
+        "model": target.name, "model_cfg": repr(target.cfg), "model_dtype": str(target.model.dtype),
+        "head_cfg": None if head is None else repr(head.cfg), "head_dtype": None if head is None else str(head.dtype),
+        "buckets": list(buckets), "candidates": list(candidates), "cache_len": int(cache_len),
+        "method": 3,  # bumped when the measurement changes (2: interleaved rounds; 3: sampled steps too)
+    }
+    digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", target.name)[:40]
+    return f"{slug}-{digest}"
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("EAGLE_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "eagle_jax")
+    return Path(root) / "harness"
+
+
+def stepper(target, head, candidates, batch: int, cache_len: int, draft_len: int, context: int):
+    """(state, step): an empty DecodeState of these shapes and a function step(state, tree, sampled=False)
+    running one step of one of the `candidates` on it (rows reset to `context` committed tokens first;
+    every row greedy, or every row sampling at temperature 1), blocking until it is done."""
+    if head is None and any(t is not None for t in candidates):
+        raise ValueError("speculation candidates need a draft head")
+    g, st = nnx.split(target.model)
+    hg, hs = nnx.split(head) if head is not None else (None, None)
+    kinds = {False: SamplingParams.make(batch), True: SamplingParams.make(batch, 1.0, seed=np.arange(batch))}
+    active = jnp.ones((batch,), bool)
+    state = steps.empty_state(target, head, batch, cache_len, draft_len)
+
+    def run(s, tree, sampled=False):
+        # Back to `context` committed tokens each time (separate arrays: both caches are donated).
+        s = s.replace(cache=s.cache.replace(lengths=jnp.full((batch,), context, jnp.int32)),
+                      draft_cache=s.draft_cache.replace(lengths=jnp.full((batch,), context, jnp.int32)),
+                      lag_n=jnp.zeros((batch,), jnp.int32))
+        s, _, count = steps.step(g, st, hg, hs, s, kinds[sampled], active, tree, False)  # as Engine.run_step
+        count.block_until_ready()
+        return s
+
+    return state, run
+
+
+def compile_candidates(target, head, batch: int, candidates: Sequence[TreeConfig | None], cache_len: int,
+                       draft_len: int) -> None:
+    """Runs one step of every candidate at these shapes, so none is compiled the first time the harness
+    picks it (measuring a profile does this too; a profile read from the cache does not)."""
+    state, step = stepper(target, head, candidates, batch, cache_len, draft_len, max(1, cache_len // 4))
+    for tree in candidates:
+        state = step(state, tree)
+
+
+def measure_profile(target, head, buckets: Sequence[int], candidates: Sequence[TreeConfig | None], cache_len: int,
+                    draft_len: int, reps: int = 9, context: int | None = None) -> dict[int, dict[str, float]]:
+    """Median seconds of one step per (bucket, candidate), rows filled to `context` tokens: every row
+    greedy ("<name>") and every row sampling ("<name>:sampled")."""
+    ctx = int(context if context is not None else max(1, cache_len // 4))
+    out: dict[int, dict[str, float]] = {}
+    runs = [(t, sampled) for sampled in (False, True) for t in candidates]
+    label = lambda t, sampled: tree_name(t) + (SAMPLED if sampled else "")
+    for b in buckets:
+        state, step = stepper(target, head, candidates, b, cache_len, draft_len, ctx)
+        for tree, sampled in runs:
+            state = step(step(state, tree, sampled), tree, sampled)  # compile, warm
+        # Rounds over all candidates, so a burst of load from elsewhere on the machine inflates every
+        # candidate's time alike instead of one candidate's; the median over rounds drops the bursts.
+        times = {label(t, sampled): [] for t, sampled in runs}
+        for _ in range(reps):
+            for tree, sampled in runs:
+                t0 = time.perf_counter()
+                state = step(state, tree, sampled)
+                times[label(tree, sampled)].append(time.perf_counter() - t0)
+        row = {name: float(np.median(ts)) for name, ts in times.items()}
+        for name, sec in row.items():
+            log.info("harness profile: batch %d %-10s %.2f ms", b, name, sec * 1e3)
+        out[int(b)] = row
+    return out
+
+
+def load_or_measure(target, head, buckets: Sequence[int], candidates: Sequence[TreeConfig | None], cache_len: int,
+                    draft_len: int, *, cache_dir=None, reprofile: bool = False, reps: int = 9) -> Profile:
+    """The cached profile for this device + model + head + settings, measuring (and caching) it if needed."""
+    names = [tree_name(t) for t in candidates]
+    key = profile_key(target, head, buckets, names, cache_len)
+    path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    file = path / f"{key}.json"
+    if file.exists() and not reprofile:
+        try:
+            prof = Profile.from_json(json.loads(file.read_text()), source="cache")
+            if prof.key == key and all(set(names) <= set(prof.seconds.get(int(b), {})) for b in buckets):
+                log.info("harness: reusing cost profile %s", file)
+                return prof
+        except (ValueError, KeyError, TypeError) as e:
+            log.warning("harness: ignoring unreadable cost profile %s (%s)", file, e)
+    t0 = time.perf_counter()
+    seconds = measure_profile(target, head, buckets, candidates, cache_len, draft_len, reps=reps)
+    meta = {"device": device_kind(), "model": target.name, "cache_len": cache_len, "buckets": list(buckets),
+            "candidates": names, "measured_s": round(time.perf_counter() - t0, 2),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    prof = Profile(key=key, seconds=seconds, meta=meta, source="measured")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(prof.to_json(), indent=2))
+        tmp.replace(file)
+        log.info("harness: wrote cost profile %s", file)
+    except OSError as e:
+        log.warning("harness: cannot cache the cost profile in %s (%s)", path, e)
+    return prof

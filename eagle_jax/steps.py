@@ -1,0 +1,286 @@
+"""The jitted step family: one prefill and one decode step, for plain and speculative decoding alike.
+
+Carried state per row (all static shapes, `DecodeState`):
+  cache          the target's KV cache: committed tokens 0..L-1 (the root token at position L is not in it yet)
+  root           the last emitted token (position L); the next step feeds it (and hangs its tree from it)
+  draft_cache    the head's one-layer cache: one pair (feature_i, token_{i+1}) per position i < L
+  root_hidden    the draft's prediction of the feature at position L (its logits propose position L+1)
+  lag_*          pairs (feature_i, token_{i+1}) of plain steps the draft has not consumed yet (lag_n per
+                 row, at most CATCHUP): a plain step keeps the target's features here instead of running
+                 the draft, and the next speculative step (or a full buffer) runs the draft over them once,
+                 so a row stepped plainly can speculate again at any step
+Without a head the draft parts are empty (zero-width) and every step is plain.
+
+`step(..., tree=None)` is a plain decode step: feed the root, sample the next token, commit one slot.
+`step(..., tree=TreeConfig)` (which needs the head) drafts the tree from (root, root_hidden) (EAGLE-2 expansion), verifies
+all N tree tokens with the target in one forward (tree mask, positions L + depth), accepts losslessly
+(`eagle_jax.accept`), moves the accepted path's K/V rows to contiguous slots and runs the draft over
+the accepted pairs to refresh its cache and root_hidden. Both emit `count` tokens per row, and every
+variant reads and writes the same state, so a caller may pick a different precompiled variant
+(a tree, or none) on every step without recompiling.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import Iterable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from eagle_jax.accept import accept
+from eagle_jax.kv_cache import KVCache, gather_rows
+from eagle_jax.sampling import SamplingParams, sample
+from eagle_jax.tree import Tree, TreeConfig, select_tree
+
+# Trace counts per jitted function (incremented at trace time): tests assert compiles happen once per bucket.
+TRACE_COUNTS: collections.Counter = collections.Counter()
+
+# Read at trace time. Tests set "broken" to prove the statistical tests can fail (see eagle_jax.accept).
+ACCEPT_RULE = "exact"
+
+# Plain steps a row's draft may fall behind before a plain step runs the draft over them (one draft
+# forward over CATCHUP pairs: about 1/CATCHUP of a draft step per plain step).
+CATCHUP = 16
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["cache", "draft_cache", "root", "root_hidden", "lag_feats", "lag_tokens", "lag_n"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    cache: KVCache
+    draft_cache: KVCache  # empty (no layers) without a head
+    root: jax.Array  # [B] int32
+    root_hidden: jax.Array  # [B, H] ([B, 1] without a head)
+    lag_feats: jax.Array  # [B, CATCHUP, F] target features the draft has not consumed ([B, 0, 1] without a head)
+    lag_tokens: jax.Array  # [B, CATCHUP] the token after each of them
+    lag_n: jax.Array  # [B] int32: how many are held
+
+    def replace(self, **kw) -> "DecodeState":
+        return dataclasses.replace(self, **kw)
+
+
+def draft_parts(batch: int, head=None, draft_len: int = 0) -> dict:
+    """The draft fields of a DecodeState that holds nothing yet; zero-width without a head."""
+    if head is None:
+        return dict(draft_cache=KVCache((), (), jnp.zeros((batch,), jnp.int32)),
+                    root_hidden=jnp.zeros((batch, 1), jnp.float32), lag_feats=jnp.zeros((batch, 0, 1), jnp.float32),
+                    lag_tokens=jnp.zeros((batch, 0), jnp.int32), lag_n=jnp.zeros((batch,), jnp.int32))
+    return dict(draft_cache=head.init_cache(batch, draft_len),
+                root_hidden=jnp.zeros((batch, head.cfg.hidden_size), head.dtype),
+                lag_feats=jnp.zeros((batch, CATCHUP, head.cfg.feature_size), head.dtype),
+                lag_tokens=jnp.zeros((batch, CATCHUP), jnp.int32), lag_n=jnp.zeros((batch,), jnp.int32))
+
+
+def empty_state(target, head, batch: int, cache_len: int, draft_len: int = 0) -> DecodeState:
+    """A DecodeState of `batch` rows that hold nothing (lengths 0)."""
+    return DecodeState(target.model.init_cache(batch, cache_len), root=jnp.zeros((batch,), jnp.int32),
+                       **draft_parts(batch, head, draft_len))
+
+
+# --- cache sizes ------------------------------------------------------------------------------------
+
+def tree_slack(trees: Iterable[TreeConfig | None]) -> int:
+    """Cache room past the last committed token a step may write: N tree tokens (+ depth for safety)."""
+    return max([t.tree_tokens + t.depth for t in trees if t is not None] + [1])
+
+
+def draft_extra(trees: Iterable[TreeConfig | None]) -> int:
+    """Extra draft-cache slots past the target's cache length (tree expansion scratch, and room for the
+    catch-up after plain steps, which writes CATCHUP slots)."""
+    need = [(t.depth - 1) * t.topk + t.depth + 1 for t in trees if t is not None]
+    return max(need + [CATCHUP]) if need else CATCHUP
+
+
+# --- the draft's side -------------------------------------------------------------------------------
+
+def capture_layers(head_cfg) -> tuple[int, ...]:
+    """The target layers whose outputs the head consumes (EAGLE-3's low / mid / high); none otherwise."""
+    return tuple(head_cfg.aux_layers) if head_cfg is not None and head_cfg.kind == "eagle3" else ()
+
+
+def target_features(out, head_cfg):
+    """The features the head consumes from a target forward: [B, T, F]."""
+    if head_cfg.kind == "eagle3":
+        return jnp.concatenate(list(out.captured), axis=-1)  # low | mid | high
+    return out.hidden
+
+
+def catch_up(target, head, s: DecodeState) -> DecodeState:
+    """Runs the draft over each row's held pairs (one forward over CATCHUP inputs; rows holding none
+    commit nothing) and commits them, so every row's draft is in step with its target again."""
+    h, dcache = head(target, s.lag_feats, s.lag_tokens, s.draft_cache, fuse=True)
+    n = s.lag_n
+    last = jnp.take_along_axis(h, jnp.maximum(n - 1, 0)[:, None, None], axis=1)[:, 0]
+    return s.replace(draft_cache=dcache.replace(lengths=s.draft_cache.lengths + n),
+                     root_hidden=jnp.where((n > 0)[:, None], last.astype(s.root_hidden.dtype), s.root_hidden),
+                     lag_n=jnp.zeros_like(n))
+
+
+def catch_up_if(pred, target, head, s: DecodeState) -> DecodeState:
+    """`catch_up` where pred (a traced bool) holds. Only the draft's parts pass through the conditional:
+    handing it the whole state would copy the target's KV cache in and out on every step."""
+    parts = (s.draft_cache, s.root_hidden, s.lag_n)
+
+    def run(p):
+        x = catch_up(target, head, s.replace(draft_cache=p[0], root_hidden=p[1], lag_n=p[2]))
+        return x.draft_cache, x.root_hidden, x.lag_n
+
+    dcache, root_hidden, lag_n = jax.lax.cond(pred, run, lambda p: p, parts)
+    return s.replace(draft_cache=dcache, root_hidden=root_hidden, lag_n=lag_n)
+
+
+def draft_tree(target, head, s: DecodeState, tree: TreeConfig) -> Tree:
+    """EAGLE-2 expansion from the root; returns the selected `Tree` (see eagle_jax.tree)."""
+    b = s.root.shape[0]
+    k, d = tree.topk, tree.depth
+    logp = head.logprobs(target, s.root_hidden)  # [B, V_draft]
+    top_lp, top_id = jax.lax.top_k(logp, k)
+    pool_tokens = [head.to_target_ids(top_id)]
+    pool_scores = [top_lp]
+    pool_parents = [jnp.full((b, k), -1, jnp.int32)]
+    frontier_slot = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))  # pool slots of the frontier
+    frontier_tok = pool_tokens[0]
+    frontier_score = top_lp
+    frontier_in = jnp.broadcast_to(s.root_hidden[:, None, :], (b, k, s.root_hidden.shape[-1]))
+    scratch = (d - 1) * k
+    anc = jnp.zeros((b, k, max(scratch, 1)), bool)  # frontier nodes' ancestors among scratch slots
+    dcache = s.draft_cache
+    base = k  # next free pool slot
+    for level in range(1, d):  # frontier at depth `level` proposes depth level + 1
+        own = jax.nn.one_hot((level - 1) * k + jnp.arange(k), scratch, dtype=bool)  # [k, scratch]
+        anc = anc | own[None]
+        h, dcache = head(target, frontier_in, frontier_tok, dcache, fuse=False,
+                         positions=jnp.broadcast_to(dcache.lengths[:, None] + level - 1, (b, k)),
+                         tree_mask=anc, write_offset=(level - 1) * k)
+        lp = head.logprobs(target, h)  # [B, k, V_draft]
+        c_lp, c_id = jax.lax.top_k(lp, k)  # [B, k, k]
+        c_score = (frontier_score[:, :, None] + c_lp).reshape(b, k * k)
+        c_tok = head.to_target_ids(c_id).reshape(b, k * k)
+        c_parent = jnp.repeat(frontier_slot, k, axis=1)  # [B, k*k]
+        pool_tokens.append(c_tok)
+        pool_scores.append(c_score)
+        pool_parents.append(c_parent)
+        if level < d - 1:
+            best_score, best = jax.lax.top_k(c_score, k)  # next frontier
+            parent_local = best // k  # index within the current frontier
+            frontier_slot = (base + best).astype(jnp.int32)
+            frontier_tok = jnp.take_along_axis(c_tok, best, axis=1)
+            frontier_score = best_score
+            frontier_in = jnp.take_along_axis(h, parent_local[:, :, None], axis=1)
+            anc = jnp.take_along_axis(anc, parent_local[:, :, None], axis=1)
+        base += k * k
+    return select_tree(s.root, jnp.concatenate(pool_tokens, 1), jnp.concatenate(pool_scores, 1),
+                       jnp.concatenate(pool_parents, 1), tree)
+
+
+# --- the jitted steps -------------------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "head_graphdef"), donate_argnames=("cache", "draft_cache"))
+def prefill(graphdef, state, head_graphdef, head_state, tokens, prompt_lens, cache: KVCache, draft_cache,
+            params: SamplingParams) -> DecodeState:
+    """Runs the prompts [B, T] (right-padded; true lengths prompt_lens [B]) and samples the root (token
+    one); with a head (head_graphdef not None), then runs the draft over every prompt pair."""
+    TRACE_COUNTS["prefill"] += 1
+    target = nnx.merge(graphdef, state)
+    head = None if head_graphdef is None else nnx.merge(head_graphdef, head_state)
+    b = tokens.shape[0]
+    cache = cache.replace(lengths=jnp.zeros_like(cache.lengths))
+    out = target(tokens, cache, capture_layers=capture_layers(None if head is None else head.cfg),
+                 logits_at=prompt_lens - 1)
+    root = sample(out.logits, params, prompt_lens)
+    cache = out.cache.replace(lengths=prompt_lens)
+    if head is None:
+        return DecodeState(cache, root=root, **draft_parts(b))
+    # Pair i = (feature_i, token_{i+1}); the last pair's next token is the freshly sampled root.
+    nxt = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
+    nxt = jnp.where(jnp.arange(tokens.shape[1])[None, :] == (prompt_lens - 1)[:, None], root[:, None], nxt)
+    draft_cache = draft_cache.replace(lengths=jnp.zeros_like(draft_cache.lengths))
+    h, draft_cache = head(target, target_features(out, head.cfg), nxt, draft_cache, fuse=True)
+    root_hidden = jnp.take_along_axis(h, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+    parts = draft_parts(b, head, 0)
+    parts.update(draft_cache=draft_cache.replace(lengths=prompt_lens), root_hidden=root_hidden)
+    return DecodeState(cache, root=root, **parts)
+
+
+def plain_step(target, head, s: DecodeState, params: SamplingParams, active):
+    """Feeds each row's root, samples the next token, commits one slot.
+
+    With a head, the step keeps the target's features of the root and the sampled token as a pair the
+    draft has not consumed (`lag_*`); when a row holds CATCHUP of them the draft runs over them here
+    (`catch_up`), and the next speculative step consumes what is left."""
+    length = s.cache.lengths
+    out = target(s.root[:, None], s.cache, logits_at=jnp.zeros_like(s.root),
+                 capture_layers=capture_layers(None if head is None else head.cfg))
+    token = sample(out.logits, params, length + 1)
+    count = active.astype(jnp.int32)
+    new = s.replace(cache=out.cache.replace(lengths=length + count), root=jnp.where(active, token, s.root))
+    if head is not None:
+        rows, at = jnp.arange(token.shape[0]), jnp.where(active, s.lag_n, CATCHUP)  # inactive rows: dropped
+        feat = target_features(out, head.cfg)[:, 0].astype(s.lag_feats.dtype)
+        new = new.replace(lag_feats=s.lag_feats.at[rows, at].set(feat, mode="drop"),
+                          lag_tokens=s.lag_tokens.at[rows, at].set(token, mode="drop"), lag_n=s.lag_n + count)
+        new = catch_up_if(jnp.any(new.lag_n >= CATCHUP), target, head, new)
+    return new, token[:, None], count, None
+
+
+def tree_step(target, head, s: DecodeState, params: SamplingParams, active, tree: TreeConfig):
+    """Draft -> verify -> accept -> commit; see the module docstring."""
+    # Rows stepped plainly since their last speculative step: their draft consumes those pairs first.
+    s = catch_up_if(jnp.any(s.lag_n > 0), target, head, s)
+    if tree.tree_tokens > 1:
+        t, d = draft_tree(target, head, s, tree), tree.depth
+    else:  # no drafting: verify the root alone, and refresh the draft with it at once
+        b = s.root.shape[0]
+        t, d = Tree(s.root[:, None], jnp.zeros((b, 1), jnp.int32), jnp.zeros((b, 1), jnp.int32),
+                    jnp.ones((b, 1, 1), bool), jnp.full((b, 1), -1, jnp.int32)), 0
+    length = s.cache.lengths
+    out = target(t.tokens, s.cache, positions=length[:, None] + t.depths, tree_mask=t.mask,
+                 capture_layers=capture_layers(head.cfg), logits_at=None)
+    acc = accept(t, out.logits, params, length, d, rule=ACCEPT_RULE)
+    count = jnp.where(active, acc.count, 0)
+    cache = gather_rows(out.cache, acc.path, count)
+    # Tokens emitted: the accepted drafts below the root, then the bonus.
+    path_tokens = jnp.take_along_axis(t.tokens, acc.path, axis=1)  # [B, D+1], [:, 0] = root
+    slot = jnp.arange(d + 1)[None, :]
+    nxt = jnp.concatenate([path_tokens[:, 1:], path_tokens[:, :1]], axis=1)
+    nxt = jnp.where(slot == (acc.count - 1)[:, None], acc.bonus[:, None], nxt)  # [B, D+1]
+    # Refresh the draft with the accepted pairs (feature at each path node, the token after it).
+    feats = jnp.take_along_axis(target_features(out, head.cfg), acc.path[:, :, None], axis=1)
+    h, dcache = head(target, feats, nxt, s.draft_cache, fuse=True)
+    root_hidden = jnp.take_along_axis(h, jnp.maximum(count - 1, 0)[:, None, None], axis=1)[:, 0]
+    new = s.replace(
+        cache=cache,
+        draft_cache=dcache.replace(lengths=s.draft_cache.lengths + count),
+        root=jnp.where(active, acc.bonus, s.root),
+        root_hidden=jnp.where(active[:, None], root_hidden, s.root_hidden),
+    )
+    info = {"tokens": t.tokens, "parents": t.parents, "depths": t.depths, "path": acc.path, "count": acc.count,
+            "bonus": acc.bonus}
+    return new, nxt, count, info
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "head_graphdef", "tree", "trace"), donate_argnames=("s",))
+def step(graphdef, state, head_graphdef, head_state, s: DecodeState, params: SamplingParams, active,
+         tree: TreeConfig | None = None, trace: bool = False):
+    """One decode step for every row: plain (tree None; a head, when given, keeps its pairs to catch up
+    on) or speculative (a TreeConfig, which needs the head). Rows with active=False commit nothing
+    (their state is unchanged) and report count 0.
+
+    Returns (new state, emitted [B, D+1] (D = 0 for a plain step), count [B]); with trace=True also the
+    drafted tree and its acceptance (tokens, parents, depths, path, count, bonus) for visualisation.
+    """
+    TRACE_COUNTS["step"] += 1
+    target = nnx.merge(graphdef, state)
+    head = None if head_graphdef is None else nnx.merge(head_graphdef, head_state)
+    if tree is not None:  # (a tree of one token verifies the root alone and refreshes the draft at once)
+        if head is None:
+            raise ValueError(f"tree {tree.name} needs a draft head")
+        new, emitted, count, info = tree_step(target, head, s, params, active, tree)
+    else:
+        new, emitted, count, info = plain_step(target, head, s, params, active)
+    return (new, emitted, count, info) if trace else (new, emitted, count)
