@@ -11,7 +11,7 @@ import pytest
 import eagle_jax
 from eagle_jax.harness import FixedPolicy
 from eagle_jax.serve.scheduler import QueueFull, Request, Scheduler, SchedulerConfig
-from eagle_jax.serve.text import TextStream
+from eagle_jax.stream import TokenStream
 from eagle_jax.tree import TreeConfig
 from test_decoding import PROMPTS, tiny_target
 from test_speculative import oracle_pair
@@ -110,22 +110,38 @@ class ByteTokenizer:
         return bytes(ids).decode("utf-8", errors="replace")
 
 
-def test_text_stream_holds_back_partial_characters_and_possible_stop_strings():
-    ts = TextStream(ByteTokenizer())
+def test_token_stream_holds_back_partial_characters_and_possible_stop_strings():
+    ts = TokenStream(ByteTokenizer(), max_tokens=100)
     e_acute = list("é".encode())
-    assert ts.add([ord("a"), e_acute[0]]) == "a"  # the first byte of é decodes to U+FFFD: held back
-    assert ts.add([e_acute[1], ord("b")]) == "éb"
-    assert ts.finish() == "" and ts.tokens == 4
+    ts.push([ord("a"), e_acute[0]])
+    assert ts.delta() == "a"  # the first byte of é decodes to U+FFFD: held back
+    ts.push([e_acute[1], ord("b")])
+    assert ts.delta() == "éb"
+    assert ts.delta(final=True) == "" and len(ts.ids) == 4 and not ts.done
 
-    ts = TextStream(ByteTokenizer(), stop=["END", "!!"])
-    out = [ts.add(list(b"ab")), ts.add(list(b"E")), ts.add(list(b"X")), ts.add(list(b"EN")), ts.add(list(b"D tail"))]
+    ts = TokenStream(ByteTokenizer(), max_tokens=100, stop=["END", "!!"])
+    out = []
+    for piece in (b"ab", b"E", b"X", b"EN", b"D tail"):
+        ts.push(list(piece))
+        out.append(ts.delta())
     assert out == ["ab", "", "EX", "", ""]
-    assert ts.stopped and ts.text == "abEX" and ts.tokens == 7  # counts up to the token that completed "END"
-    assert ts.add(list(b"more")) == "" and ts.finish() == ""
+    assert ts.reason == "stop" and ts.text == "abEX" and len(ts.ids) == 7  # up to the token that completed "END"
+    assert ts.push(list(b"more")) == 0 and ts.delta() == ""
 
-    ts = TextStream(ByteTokenizer(), stop=["END"])
-    assert ts.add(list(b"hello EN")) == "hello "
-    assert ts.finish() == "EN"  # generation ended without the stop string: release what was held
+    ts = TokenStream(ByteTokenizer(), max_tokens=100, stop=["END"])
+    ts.push(list(b"hello EN"))
+    assert ts.delta() == "hello "
+    assert ts.delta(final=True) == "EN"  # generation ended without the stop string: release what was held
+
+
+def test_token_stream_ends_rows_at_eos_or_max_tokens():
+    ts = TokenStream(ByteTokenizer(), max_tokens=5, eos_ids=[0])
+    assert ts.push([65, 66, 0, 67]) == 3 and ts.reason == "stop" and ts.ids == [65, 66, 0]
+    ts = TokenStream(None, max_tokens=3)
+    assert ts.push([1, 2]) == 2 and ts.remaining == 1 and not ts.done
+    assert ts.push([3, 4]) == 1 and ts.reason == "length" and ts.remaining == 0 and ts.text == ""
+    with pytest.raises(ValueError, match="max_tokens"):
+        TokenStream(None, max_tokens=0)
 
 
 def test_warmup_compiles_everything_serving_runs():

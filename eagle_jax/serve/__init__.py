@@ -2,8 +2,10 @@
 
     python -m eagle_jax.serve [--preset serve/smollm2-135m-instruct.toml] [--speculation auto|off|fixed:D,K,N]
 
-Modules: `scheduler` (the engine loop), `api` (FastAPI app, `create_app`), `config` (settings and presets),
-`text` (incremental detokenisation and stop strings), `metrics` (Prometheus text); the harness itself is
+Modules: `scheduler` (the engine loop), `app` (the FastAPI app and its routes, `create_app`), `api` (request
+checks, prompts and sampling parameters), `generation` (one request from scheduler events to a JSON body or
+an event stream), `schemas` (request bodies, `ApiError`), `config` (settings and presets), `text`
+(incremental detokenisation and stop strings), `metrics` (Prometheus text); the harness itself is
 `eagle_jax.harness`. See serve/README.md.
 """
 
@@ -11,9 +13,9 @@ from eagle_jax.serve.config import ConfigError, ServeConfig, load_preset
 
 
 def create_app(target, head=None, config=None, **kwargs):
-    from eagle_jax.serve.api import create_app as _create_app
+    from eagle_jax.serve import app
 
-    return _create_app(target, head, config, **kwargs)
+    return app.create_app(target, head, config, **kwargs)
 
 
 __all__ = ["ConfigError", "ServeConfig", "create_app", "load_preset"]

@@ -104,7 +104,7 @@ def main(argv=None) -> int:
 
     import eagle_jax
     from eagle_jax.loader import resolve_draft
-    from eagle_jax.serve.api import create_app
+    from eagle_jax.serve.app import create_app
 
     try:
         sock = _socket(config.host, config.port)

@@ -11,12 +11,9 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from eagle_jax.config import ConfigError  # one ConfigError for model and server settings
 from eagle_jax.harness import DEFAULT_CANDIDATES
 from eagle_jax.tree import parse_tree
-
-
-class ConfigError(ValueError):
-    pass
 
 
 # On CPU the reference attention reads the whole preallocated cache every step, so the default stays modest.

@@ -57,8 +57,9 @@ class ShuttingDown(Exception):
 class Event:
     kind: str  # "tokens" | "done" | "error"
     tokens: tuple[int, ...] = ()
-    reason: str | None = None  # done: "stop" (EOS) | "length" | "cancelled"
+    reason: str | None = None  # done: "stop" (EOS or a stop string) | "length" | "cancelled"
     message: str | None = None
+    text: str = ""  # tokens / done: text that can be shown now (see eagle_jax.stream.TokenStream)
 
 
 _ids = itertools.count()
@@ -68,7 +69,8 @@ class Request:
     """One generation request as the scheduler sees it (token ids in, token ids out)."""
 
     def __init__(self, prompt_ids: Sequence[int], max_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int = 0, ignore_eos: bool = False, sink: Callable[[Event], None] | None = None):
+                 top_k: int = 0, seed: int = 0, ignore_eos: bool = False, stop: Sequence[str] = (),
+                 sink: Callable[[Event], None] | None = None):
         self.id = next(_ids)
         self.prompt_ids = [int(t) for t in prompt_ids]
         self.max_tokens = int(max_tokens)
@@ -81,8 +83,9 @@ class Request:
                 and 0 <= self.top_k < 2**31):
             raise ValueError(f"invalid sampling parameters: temperature {temperature}, top_p {top_p}, top_k {top_k}")
         self.ignore_eos = ignore_eos
+        self.stop = [str(s) for s in stop if s]
         self.sink = sink
-        self.stream: TokenStream | None = None  # EOS / max_tokens, set when the request gets a slot
+        self.stream: TokenStream | None = None  # EOS, stop strings, max_tokens, text: set when it gets a slot
         self.finish_reason: str | None = None
         self.slot: int | None = None
 
@@ -257,7 +260,8 @@ class Scheduler:
             self._n_running -= 1
         if req.finish_reason is None:
             req.finish_reason = reason
-            req._emit(Event("done", reason=reason))
+            rest = req.stream.delta(final=True) if req.stream is not None and reason != "cancelled" else ""
+            req._emit(Event("done", reason=reason, text=rest))
 
     # --- batch state ----------------------------------------------------------------------------------
     def _resize(self, bucket: int) -> None:
@@ -343,7 +347,8 @@ class Scheduler:
         for i, (slot, r) in enumerate(zip(free_slots, newcomers)):
             self.slots[slot] = r
             r.slot = slot
-            r.stream = TokenStream(None, max_tokens=r.max_tokens, eos_ids=() if r.ignore_eos else self.eos)
+            r.stream = TokenStream(self.target.tokenizer, max_tokens=r.max_tokens,
+                                   eos_ids=() if r.ignore_eos else self.eos, stop=r.stop)
             self.synced[slot] = self.head is not None
         for i, (slot, r) in enumerate(zip(free_slots, newcomers)):
             self._deliver(slot, [int(first[i])])
@@ -418,11 +423,12 @@ class Scheduler:
         self._maybe_shrink()
 
     def _deliver(self, slot: int, tokens: list[int]) -> int:
-        """Hands a row's new tokens to its request, stopping at EOS / max_tokens. Returns tokens delivered."""
+        """Hands a row's new tokens (and the text they complete) to its request, stopping at EOS, a stop
+        string or max_tokens. Returns tokens delivered."""
         req = self.slots[slot]
         out = tokens[: req.stream.push(tokens)]
         if out:
-            req._emit(Event("tokens", tokens=tuple(out)))
+            req._emit(Event("tokens", tokens=tuple(out), text=req.stream.delta()))
             if self.metrics is not None:
                 self.metrics.inc("eagle_generation_tokens_total", len(out))
         if req.stream.done:
