@@ -50,7 +50,7 @@ def accept(tree: Tree, target_logits, params: SamplingParams, root_positions, de
     skips the renormalisation after a rejection.
     """
     return jax.lax.cond(jnp.any(params.temperature > 0),
-                        lambda: _accept_sampled(tree, target_logits, params, root_positions, depth, rule),
+                        lambda: accept_sampled(tree, target_logits, params, root_positions, depth, rule),
                         lambda: accept_greedy(tree, target_logits, depth))
 
 
@@ -89,7 +89,7 @@ def accept_greedy(tree: Tree, target_logits, depth: int) -> Acceptance:
     return Acceptance(jnp.stack(path, axis=1), count, bonus)
 
 
-def _accept_sampled(tree: Tree, target_logits, params: SamplingParams, root_positions, depth: int,
+def accept_sampled(tree: Tree, target_logits, params: SamplingParams, root_positions, depth: int,
                     rule: str) -> Acceptance:
     b, n = tree.tokens.shape
     p_all = probs(target_logits, params)  # [B, N, V]

@@ -241,7 +241,7 @@ def load_hf_dir(directory, dtype=jnp.float32, tokenizer: bool = True) -> Target:
 _GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
-def _gguf_reader(path: Path):
+def gguf_reader(path: Path):
     import gguf
 
     if not path.exists():
@@ -326,7 +326,7 @@ def gguf_config(reader, source: str) -> ModelConfig:
         raise LoadError(f"{source}: {e}") from None
 
 
-def _unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's converter interleaves rotary halves in q/k rows; restore the HF rotate-half order."""
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
@@ -366,7 +366,7 @@ def load_gguf(path, dtype=jnp.float32, tokenizer: bool = True, name: str | None 
     import gguf
 
     path = Path(path)
-    reader = _gguf_reader(path)
+    reader = gguf_reader(path)
     source = str(path)
     cfg = gguf_config(reader, source)
     tensors = {t.name: t for t in reader.tensors}
@@ -386,9 +386,9 @@ def load_gguf(path, dtype=jnp.float32, tokenizer: bool = True, name: str | None 
 
     def transform(n, arr):
         if permute and n.endswith("attn_q.weight"):
-            return _unpermute_qk(arr, cfg.num_heads)
+            return unpermute_qk(arr, cfg.num_heads)
         if permute and n.endswith("attn_k.weight"):
-            return _unpermute_qk(arr, cfg.num_kv_heads)
+            return unpermute_qk(arr, cfg.num_kv_heads)
         return arr
 
     model = assemble(cfg, GGUF_TABLE, list(tensors), read, shape_of, source, GGUF_IGNORED, transform, dtype)

@@ -7,7 +7,7 @@ of two and its dot operands need >= 16 per side) and one chunk of the cache pref
   * its chunk's [block_kv, D] prefix blocks that lie before the row's length: a `fori_loop` whose
     bounds come from the length, so blocks past it are never visited; loads past the length are
     masked (`other=0`), so NaN in unused slots is never read, and
-  * (last split only) the tree's gathered keys (see _layout.py) in [block_tree, D] blocks, masked by
+  * (last split only) the tree's gathered keys (see layout.py) in [block_tree, D] blocks, masked by
     the tree mask.
 
 Splitting the prefix (flash decoding) keeps the GPU busy when B * K * row blocks is small, as in
@@ -30,7 +30,7 @@ try:  # Pallas' Triton backend is deprecated from JAX 0.11 on; keep this module 
 except ImportError:  # pragma: no cover - depends on the installed JAX
     plgpu = None
 
-from pallas_kernels import _layout
+from pallas_kernels import layout
 from pallas_kernels.block_sizes import BlockSizes
 
 _MASKED = -1e30  # finite, so exp(m_prev - m_next) never sees inf - inf
@@ -90,14 +90,14 @@ def _auto_splits(programs: int, prefix_blocks: int) -> int:
     if jax.default_backend() != "gpu":
         return 1
     cores = getattr(jax.devices()[0], "core_count", None) or 128
-    return max(1, min(_layout.cdiv(2 * cores, programs), prefix_blocks // 4))
+    return max(1, min(layout.cdiv(2 * cores, programs), prefix_blocks // 4))
 
 
 def merge_splits(acc, m, l, dtype):
     """acc [B, K, P, R', D], m / l [B, K, P, R'] from P prefix splits -> [B, K, R', D] attention."""
     weight = jnp.exp(m - jnp.max(m, axis=2, keepdims=True))  # [B, K, P, R']; empty splits weigh 0
     total = jnp.sum(weight * l, axis=2)[..., None]  # [B, K, R', 1]
-    return _layout.finish(jnp.sum(weight[..., None] * acc, axis=2), total, dtype)
+    return layout.finish(jnp.sum(weight[..., None] * acc, axis=2), total, dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
@@ -107,29 +107,29 @@ def tree_attention_gpu(q, k_cache, v_cache, lengths, tree_mask, *, block_sizes: 
 
     interpret: False (compile with Triton) or True (Pallas' generic interpreter, any backend).
     """
-    b, n, m, s, k, g, d = _layout.check_inputs(q, k_cache, v_cache, lengths, tree_mask)
+    b, n, m, s, k, g, d = layout.check_inputs(q, k_cache, v_cache, lengths, tree_mask)
     if plgpu is None:
         raise NotImplementedError("this JAX has no Pallas Triton backend (jax.experimental.pallas.triton)")
-    if not interpret and d != _layout.next_power_of_two(d):
+    if not interpret and d != layout.next_power_of_two(d):
         raise ValueError(f"the Triton kernel needs a power-of-two head dim, got {d}")
     bs = block_sizes or BlockSizes.gpu_default()
     rows = n * g
-    block_q = min(bs.block_q, max(16, _layout.next_power_of_two(rows)))
-    rows_padded = _layout.round_up(rows, block_q)
+    block_q = min(bs.block_q, max(16, layout.next_power_of_two(rows)))
+    rows_padded = layout.round_up(rows, block_q)
     row_blocks = rows_padded // block_q
-    prefix_blocks = _layout.cdiv(s, bs.block_kv)
+    prefix_blocks = layout.cdiv(s, bs.block_kv)
     splits = min(bs.kv_splits or _auto_splits(b * k * row_blocks, prefix_blocks), prefix_blocks)
-    blocks_per_split = _layout.cdiv(prefix_blocks, splits)
-    splits = _layout.cdiv(prefix_blocks, blocks_per_split)  # no split left without blocks
-    block_tree = min(bs.block_kv, max(16, _layout.next_power_of_two(m)))
-    tree_steps = _layout.cdiv(m, block_tree)
+    blocks_per_split = layout.cdiv(prefix_blocks, splits)
+    splits = layout.cdiv(prefix_blocks, blocks_per_split)  # no split left without blocks
+    block_tree = min(bs.block_kv, max(16, layout.next_power_of_two(m)))
+    tree_steps = layout.cdiv(m, block_tree)
     m_padded = tree_steps * block_tree
 
-    lengths = _layout.as_lengths(lengths)
-    q_rows = _layout.fold_queries(q, k, rows_padded)  # [B, K, R', D]
-    k_tree = _layout.tree_keys(k_cache, lengths, m, m_padded)  # [B, K, M', D]
-    v_tree = _layout.tree_keys(v_cache, lengths, m, m_padded)
-    mask = _layout.row_mask(tree_mask, lengths, s, g, rows_padded, m_padded)  # [B, R', M']
+    lengths = layout.as_lengths(lengths)
+    q_rows = layout.fold_queries(q, k, rows_padded)  # [B, K, R', D]
+    k_tree = layout.tree_keys(k_cache, lengths, m, m_padded)  # [B, K, M', D]
+    v_tree = layout.tree_keys(v_cache, lengths, m, m_padded)
+    mask = layout.row_mask(tree_mask, lengths, s, g, rows_padded, m_padded)  # [B, R', M']
 
     kernel = functools.partial(_attention_kernel, block_kv=bs.block_kv, blocks_per_split=blocks_per_split,
                                block_tree=block_tree, tree_steps=tree_steps, scale=float(d) ** -0.5)
@@ -158,4 +158,4 @@ def tree_attention_gpu(q, k_cache, v_cache, lengths, tree_mask, *, block_sizes: 
         interpret=interpret,
         name="tree_attention_gpu",
     )(lengths, q_rows, k_cache, v_cache, k_tree, v_tree, mask)
-    return _layout.unfold_rows(merge_splits(acc, m_run, l_run, q.dtype), n, g)
+    return layout.unfold_rows(merge_splits(acc, m_run, l_run, q.dtype), n, g)

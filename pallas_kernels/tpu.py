@@ -6,7 +6,7 @@ cache prefix, then over the tree's keys:
   steps [0, P)       cache blocks [i * block_kv, (i + 1) * block_kv), P = ceil(S / block_kv). A block
                      that starts at or past the row's length is skipped by `pl.when`, and its index
                      map clamps to the row's last prefix block, so the pipeline issues no new DMA.
-  steps [P, P + T)   tree blocks of the gathered tree keys (see _layout.py), masked by the tree mask.
+  steps [P, P + T)   tree blocks of the gathered tree keys (see layout.py), masked by the tree mask.
 
 One grid step loads a [block_kv, K * D] slab of the cache (all KV heads, one contiguous DMA; the full
 last dim keeps the block legal for any K and D) and serves every query head: the G query heads of a
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels import _layout
+from pallas_kernels import layout
 from pallas_kernels.block_sizes import BlockSizes
 
 _MASKED = -1e30  # finite, so exp(m_prev - m_next) never sees inf - inf
@@ -91,7 +91,7 @@ def _attention_kernel(lengths_ref, q_ref, k_ref, v_ref, kt_ref, vt_ref, mask_ref
     @pl.when(step == prefix_steps + tree_steps - 1)
     def _finish():
         for h in range(num_kv_heads):
-            o_ref[h] = _layout.finish(acc_ref[h], l_ref[h][:, :1], o_ref.dtype)
+            o_ref[h] = layout.finish(acc_ref[h], l_ref[h][:, :1], o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
@@ -102,25 +102,25 @@ def tree_attention_tpu(q, k_cache, v_cache, lengths, tree_mask, *, block_sizes: 
     interpret: False (compile with Mosaic), True (Pallas' generic interpreter) or a
     `pltpu.InterpretParams()` (the TPU interpreter, which also models DMAs and VMEM).
     """
-    b, n, m, s, k, g, d = _layout.check_inputs(q, k_cache, v_cache, lengths, tree_mask)
+    b, n, m, s, k, g, d = layout.check_inputs(q, k_cache, v_cache, lengths, tree_mask)
     bs = block_sizes or BlockSizes.tpu_default()
     rows = n * g
-    block_q = min(bs.block_q, _layout.round_up(rows, 8))
-    rows_padded = _layout.round_up(rows, block_q)
+    block_q = min(bs.block_q, layout.round_up(rows, 8))
+    rows_padded = layout.round_up(rows, block_q)
     block_kv = bs.block_kv if s >= bs.block_kv else s  # a short cache is one whole-dim block
-    prefix_steps = _layout.cdiv(s, block_kv)
-    block_tree = min(bs.block_kv, _layout.round_up(m, 128))
-    tree_steps = _layout.cdiv(m, block_tree)
+    prefix_steps = layout.cdiv(s, block_kv)
+    block_tree = min(bs.block_kv, layout.round_up(m, 128))
+    tree_steps = layout.cdiv(m, block_tree)
     m_padded = tree_steps * block_tree
     if not interpret and tree_steps > 1 and block_tree % 128:
         raise ValueError(f"TPU tree blocks must be multiples of 128 lanes when the tree ({m} keys) spans several "
                          f"blocks; got block_kv={bs.block_kv}")
 
-    lengths = _layout.as_lengths(lengths)
-    q_rows = _layout.fold_queries(q, k, rows_padded)  # [B, K, R', D]
-    k_tree = _layout.tree_keys(k_cache, lengths, m, m_padded)  # [B, K, M', D]
-    v_tree = _layout.tree_keys(v_cache, lengths, m, m_padded)
-    mask = _layout.row_mask(tree_mask, lengths, s, g, rows_padded, m_padded)  # [B, R', M']
+    lengths = layout.as_lengths(lengths)
+    q_rows = layout.fold_queries(q, k, rows_padded)  # [B, K, R', D]
+    k_tree = layout.tree_keys(k_cache, lengths, m, m_padded)  # [B, K, M', D]
+    v_tree = layout.tree_keys(v_cache, lengths, m, m_padded)
+    mask = layout.row_mask(tree_mask, lengths, s, g, rows_padded, m_padded)  # [B, R', M']
     k_slab = k_cache.reshape(b, s, k * d)  # free: heads are already contiguous per slot
     v_slab = v_cache.reshape(b, s, k * d)
 
@@ -167,4 +167,4 @@ def tree_attention_tpu(q, k_cache, v_cache, lengths, tree_mask, *, block_sizes: 
         interpret=interpret,
         name="tree_attention_tpu",
     )(lengths, q_rows, k_slab, v_slab, k_tree, v_tree, mask)
-    return _layout.unfold_rows(out, n, g)
+    return layout.unfold_rows(out, n, g)

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle_jax.accept import _accept_sampled, accept, accept_greedy
+from eagle_jax.accept import accept_sampled, accept, accept_greedy
 from eagle_jax.sampling import SamplingParams, probs
 from eagle_jax.tree import Tree, ancestor_mask
 
@@ -51,7 +51,7 @@ def test_the_greedy_fast_path_equals_the_general_rule():
     logits = logits.at[:, :, TOKENS[1]].add(jnp.asarray(rng.choice([0.0, 3.0], size=(n, 6)), jnp.float32))
     greedy = SamplingParams.make(n)
     fast = accept(_tree(n), logits, greedy, jnp.zeros((n,), jnp.int32), DEPTH)
-    general = _accept_sampled(_tree(n), logits, greedy, jnp.zeros((n,), jnp.int32), DEPTH, "exact")
+    general = accept_sampled(_tree(n), logits, greedy, jnp.zeros((n,), jnp.int32), DEPTH, "exact")
     for a, b in ((fast.path, general.path), (fast.count, general.count), (fast.bonus, general.bonus)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert len(set(np.asarray(fast.count).tolist())) == 3  # counts 1, 2 and 3 all occur

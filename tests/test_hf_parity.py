@@ -192,12 +192,12 @@ def test_gguf_logits_match_transformers(overrides, tiny_hf, gguf_writer, tmp_pat
 
 
 def test_gguf_q_k_unpermute_inverts_llama_cpp_permute():
-    from eagle_jax.loader import _unpermute_qk
+    from eagle_jax.loader import unpermute_qk
 
     w = np.arange(8 * 16 * 3, dtype=np.float32).reshape(8 * 16, 3)  # 8 heads of head_dim 16
     permuted = w.reshape(8, 2, 8, 3).swapaxes(1, 2).reshape(w.shape)
     assert not np.array_equal(permuted, w)
-    np.testing.assert_array_equal(_unpermute_qk(permuted, 8), w)
+    np.testing.assert_array_equal(unpermute_qk(permuted, 8), w)
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle_jax.loader import _gguf_reader, builtin_path, gguf_tokenizer
+from eagle_jax.loader import gguf_reader, builtin_path, gguf_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,7 +48,7 @@ def tiny_model_dir(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("tiny-smol")
     path = builtin_path("smollm2-135m-instruct")
-    tok = gguf_tokenizer(_gguf_reader(path), str(path))
+    tok = gguf_tokenizer(gguf_reader(path), str(path))
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

@@ -7,7 +7,7 @@ import pytest
 
 import eagle_jax
 from eagle_jax.config import ModelConfig
-from eagle_jax.loader import Target, _gguf_reader, builtin_path, gguf_tokenizer
+from eagle_jax.loader import Target, gguf_reader, builtin_path, gguf_tokenizer
 from eagle_jax.model import random_model
 from eagle_jax.train import data
 
@@ -16,7 +16,7 @@ from eagle_jax.train import data
 def tiny_with_real_tokenizer():
     """A tiny random model that speaks SmolLM2's tokenizer and chat template (fast, real text plumbing)."""
     path = builtin_path("smollm2-135m-instruct")
-    tok = gguf_tokenizer(_gguf_reader(path), str(path))
+    tok = gguf_tokenizer(gguf_reader(path), str(path))
     cfg = ModelConfig(arch="llama", vocab_size=49152, hidden_size=32, intermediate_size=64, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=8, tie_embeddings=True, max_position=1024,
                       eos_token_ids=(2,))
