@@ -27,6 +27,7 @@ from flax import nnx
 from eagle_jax.config import ModelConfig, RopeConfig, rope_from_hf
 from eagle_jax.kv_cache import KVCache
 from eagle_jax.layers import cached_attention, causal_mask, layer_tail, param_factories, project_qkv, rms_norm
+from eagle_jax.weights import fill
 
 KINDS = ("eagle1", "eagle3")
 
@@ -348,25 +349,13 @@ def load_draft(path, target_cfg: ModelConfig | None = None, dtype=jnp.float32) -
                 f"hidden {target_cfg.hidden_size} / vocab {target_cfg.vocab_size}")
     head = nnx.eval_shape(lambda: DraftHead(cfg, rngs=nnx.Rngs(0), dtype=dtype))
     table, unused = _table(kind)
-    consumed = set()
-    for name, attr, transpose in table:
-        if not hasattr(head, attr):
-            continue
-        var = getattr(head, attr)
-        want = tuple(var.shape)
-        if name not in names:
-            raise DraftLoadError(f"{weights}: missing tensor {name!r} (needed for {attr}, shape {want})")
-        got = tuple(handle.get_slice(name).get_shape())
-        if (tuple(reversed(got)) if transpose else got) != want:
-            raise DraftLoadError(f"{weights}: tensor {name!r} has shape {got}, expected "
-                                 f"{tuple(reversed(want)) if transpose else want}")
-        arr = handle.get_tensor(name)
-        arr = arr.T if transpose else arr
-        if attr != "d2t":
-            arr = arr.astype(np.float32)  # bf16 storage -> float32, then the compute dtype
-        var.set_value(jnp.asarray(arr, jnp.int32 if attr == "d2t" else dtype))
-        consumed.add(name)
-    leftovers = sorted(names - consumed - set(unused))
-    if leftovers:
-        raise DraftLoadError(f"{weights}: tensor(s) not used by an {kind} head: {', '.join(leftovers[:8])}")
+    shapes = {attr: tuple(getattr(head, attr).shape) for _, attr, _ in table if hasattr(head, attr)}
+    arrays = fill(table, shapes, sorted(names), handle.get_tensor, lambda n: handle.get_slice(n).get_shape(),
+                  source=str(weights), error=DraftLoadError, kind=f"an {kind} head", ignored=unused,
+                  describe=lambda attr: attr)
+    for attr, arr in arrays.items():
+        if attr == "d2t":
+            getattr(head, attr).set_value(jnp.asarray(arr, jnp.int32))
+        else:  # bf16 storage -> float32, then the compute dtype
+            getattr(head, attr).set_value(jnp.asarray(arr.astype(np.float32), dtype))
     return head

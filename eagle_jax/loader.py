@@ -21,6 +21,7 @@ import numpy as np
 
 from eagle_jax.config import ConfigError, ModelConfig, RopeConfig, SUPPORTED_ARCHITECTURES
 from eagle_jax.model import Transformer, from_arrays, param_shapes
+from eagle_jax.weights import fill
 
 
 class LoadError(ValueError):
@@ -115,44 +116,19 @@ def assemble(
     Per-layer table entries ("{i}" in the name, path (group, name)) fill parameters (group, i, name).
     """
     shapes = param_shapes(cfg)
-    available = set(tensor_names)
-    consumed: set[str] = set()
-    arrays: dict[tuple[str, ...], np.ndarray] = {}
+    entries = []
     for pattern, path, transpose in table:
         if "{i}" in pattern:  # per-layer tensor -> parameter ("layers", i, name)
-            entries = [(pattern.format(i=i), (path[0], str(i)) + path[1:]) for i in range(cfg.num_layers)]
+            entries += [(pattern.format(i=i), (path[0], str(i)) + path[1:], transpose) for i in range(cfg.num_layers)]
         else:
-            entries = [(pattern, path)]
-        if entries[0][1] not in shapes:
-            # This architecture has no such parameter (e.g. biases on Llama; lm_head when tied).
-            # A tied checkpoint may still carry a copy of the embedding as lm_head: accept and skip it.
-            if path == ("lm_head",) and cfg.tie_embeddings:
-                consumed.update(n for n, _ in entries if n in available)
-            continue
-        for name, key in entries:
-            expected = shapes[key]
-            if name not in available:
-                raise LoadError(f"{source}: missing tensor {name!r} (needed for parameter {'.'.join(key)})")
-            got = tuple(shape_of(name))
-            want_in_file = tuple(reversed(expected)) if transpose else tuple(expected)
-            if got != want_in_file:
-                raise LoadError(
-                    f"{source}: tensor {name!r} has shape {got}, but parameter {'.'.join(key)} "
-                    f"needs {want_in_file} (config: {cfg.arch}, hidden {cfg.hidden_size}, "
-                    f"heads {cfg.num_heads}/{cfg.num_kv_heads}, head_dim {cfg.head_dim})"
-                )
-            arr = read(name)
-            if transform is not None:
-                arr = transform(name, arr)
-            arrays[key] = arr.T if transpose else arr
-            consumed.add(name)
-    leftovers = sorted(n for n in available - consumed if not any(p.match(n) for p in ignored))
-    if leftovers:
-        shown = ", ".join(leftovers[:8]) + (" ..." if len(leftovers) > 8 else "")
-        raise LoadError(f"{source}: {len(leftovers)} tensor(s) not used by a {cfg.arch} model: {shown}")
-    missing = sorted(".".join(p) for p in shapes if p not in arrays)
-    if missing:
-        raise LoadError(f"{source}: parameters not filled by any tensor: {', '.join(missing)}")
+            entries.append((pattern, path, transpose))
+    # A tied checkpoint may still carry a copy of the embedding as lm_head: accept and skip it.
+    tied_copy = lambda name, key: key == ("lm_head",) and cfg.tie_embeddings
+    arrays = fill(entries, shapes, tensor_names, read, shape_of, source=source, error=LoadError,
+                  kind=f"a {cfg.arch} model", ignored=ignored, optional=tied_copy, transform=transform,
+                  describe=lambda key: "parameter " + ".".join(key),
+                  context=(f" (config: {cfg.arch}, hidden {cfg.hidden_size}, heads {cfg.num_heads}/"
+                           f"{cfg.num_kv_heads}, head_dim {cfg.head_dim})"))
     return from_arrays(cfg, arrays, dtype=dtype)
 
 
