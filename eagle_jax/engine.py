@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import weakref
 from typing import Any, Sequence
 
 import jax.numpy as jnp
@@ -208,16 +207,12 @@ class Engine:
                                 finish_reasons=[row.reason or "length" for row in rows], stats=stats)
 
 
-# Engines live as long as their target: one per (target, head), held by a weak reference to the target.
-_ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def engine_for(target, head=None) -> Engine:
-    """The engine of this target and head (made on first use; released with the target)."""
-    by_head = _ENGINES.setdefault(target, {})
-    eng = by_head.get(id(head))
+    """The engine of this target and head, made on first use and kept on the target (`Target.engines`),
+    so it is released with the target (no global cache keeps targets alive)."""
+    eng = target.engines.get(id(head))
     if eng is None or eng.head is not head:
-        eng = by_head[id(head)] = Engine(target, head)
+        eng = target.engines[id(head)] = Engine(target, head)
     return eng
 
 

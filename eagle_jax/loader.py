@@ -28,7 +28,7 @@ class LoadError(ValueError):
     """A checkpoint could not be loaded; the message names the file and tensor."""
 
 
-@dataclasses.dataclass(eq=False)  # compared and hashed by identity (engines are cached per target)
+@dataclasses.dataclass(eq=False)  # compared by identity
 class Target:
     """A loaded target model with its tokenizer."""
 
@@ -36,6 +36,8 @@ class Target:
     tokenizer: Any  # transformers tokenizer, or None for weight-only checkpoints
     name: str
     source: str
+    # Engines (compiled steps, harness state) made for this target, by draft head: they live and die with it.
+    engines: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def cfg(self) -> ModelConfig:

@@ -197,3 +197,16 @@ def test_bad_arguments_raise_clear_errors(tiny):
         eagle_jax.generate(tiny, PROMPTS, max_new_tokens=0)
     with pytest.raises(ValueError, match="no tokenizer"):
         eagle_jax.generate(tiny, "hello")
+
+
+def test_engines_live_and_die_with_their_target():
+    import gc
+    import weakref
+
+    tgt = tiny_target()
+    eagle_jax.generate(tgt, [[1, 2, 3]], max_new_tokens=2)
+    assert engine.engine_for(tgt) is engine.engine_for(tgt)  # compiled steps are reused
+    ref = weakref.ref(tgt)
+    del tgt
+    gc.collect()
+    assert ref() is None  # nothing global holds the target (or its engine) alive
