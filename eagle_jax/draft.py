@@ -8,7 +8,8 @@ EAGLE-3 head ("eagle3"): the target feature is the concatenation of the residual
 a middle and a high layer; fc (3H -> H, no bias) fuses it. The decoder layer ("midlayer") attends over
 [input_norm(embed(token)); hidden_norm(h)] (2H wide q/k/v inputs), and its output h is fed back
 as the next step's feature during drafting (fc is applied to target features only). Logits come from
-the head's own lm_head over a reduced draft vocabulary; draft id i is target id i + d2t[i].
+the head's own lm_head over a reduced draft vocabulary; draft id i is target id i + d2t[i] (a one-to-one
+map into the target vocabulary: `save_draft` and `load_draft` refuse any other, see `d2t_problem`).
 
 Both heads share the target's (frozen) token embedding. A head keeps its own one-layer KV cache.
 """
@@ -34,6 +35,29 @@ KINDS = ("eagle1", "eagle3")
 
 class DraftLoadError(ValueError):
     """A draft-head checkpoint could not be loaded; the message names the file and tensor."""
+
+
+def d2t_problem(d2t, vocab_size: int) -> str | None:
+    """What makes an EAGLE-3 vocabulary map unusable, or None when it is fine.
+
+    Draft id i stands for target id i + d2t[i]. Every target id must lie in [0, vocab_size), and no two
+    draft ids may share one: the draft's top-k siblings would then carry the same target token, and the
+    acceptance rule (`eagle_jax.accept`) is exact only for siblings with distinct tokens.
+    """
+    d2t = np.asarray(d2t).astype(np.int64).reshape(-1)
+    target = np.arange(d2t.size) + d2t
+    outside = np.flatnonzero((target < 0) | (target >= vocab_size))
+    if outside.size:
+        i = int(outside[0])
+        return (f"draft id {i} maps to target id {int(target[i])}, outside the target vocabulary [0, {vocab_size})"
+                f" ({outside.size} draft id{'s' if outside.size > 1 else ''} out of range)")
+    order = np.argsort(target, kind="stable")
+    same = np.flatnonzero(np.diff(target[order]) == 0)
+    if same.size:
+        i, j = int(order[same[0]]), int(order[same[0] + 1])
+        return (f"draft ids {i} and {j} both map to target id {int(target[i])} ({same.size} draft "
+                f"id{'s' if same.size > 1 else ''} repeat a target id of another); the map must be one-to-one")
+    return None
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -269,9 +293,13 @@ def save_draft(head: DraftHead, path, dtype="float32") -> Path:
     if store is None:
         raise ValueError(f"save_draft: dtype must be 'float32' or 'bfloat16', got {dtype!r}")
 
+    cfg = head.cfg
+    if cfg.kind == "eagle3":
+        problem = d2t_problem(head.d2t[...], cfg.vocab_size)
+        if problem is not None:  # load_draft would refuse the file (and t2d below would be wrong)
+            raise ValueError(f"save_draft: head.d2t is not a usable vocabulary map: {problem}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    cfg = head.cfg
     table, _ = _table(cfg.kind)
     tensors = {}
     for name, attr, transpose in table:
@@ -355,6 +383,10 @@ def load_draft(path, target_cfg: ModelConfig | None = None, dtype=jnp.float32) -
                   describe=lambda attr: attr)
     for attr, arr in arrays.items():
         if attr == "d2t":
+            problem = d2t_problem(arr, cfg.vocab_size)
+            if problem is not None:
+                raise DraftLoadError(f"{weights}: tensor 'd2t' is not a usable draft-to-target vocabulary map: "
+                                     f"{problem}")
             getattr(head, attr).set_value(jnp.asarray(arr, jnp.int32))
         else:  # bf16 storage -> float32, then the compute dtype
             getattr(head, attr).set_value(jnp.asarray(arr.astype(np.float32), dtype))

@@ -234,6 +234,43 @@ def test_loading_a_broken_head_names_the_tensor(deep_target, tmp_path):
         load_draft(tmp_path / "nowhere")
 
 
+def test_a_vocabulary_map_that_is_not_one_to_one_is_refused(deep_target, tmp_path):
+    """Two draft ids on one target id would let sibling drafts share a token (the acceptance rule needs
+    distinct siblings); a target id outside the vocabulary is no token at all. save_draft refuses both
+    before writing anything; load_draft refuses a file that has one, naming the file, `d2t` and an example."""
+    import re
+
+    from safetensors.numpy import load_file, save_file
+
+    vocab = deep_target.cfg.vocab_size  # 97
+    head = random_head(deep_target.cfg, "eagle3", draft_vocab_size=60)
+    good = tmp_path / "good"
+    save_draft(head, good)
+    weights = good / "model.safetensors"
+    tensors = load_file(str(weights))
+    identity = np.zeros(60, np.int64)
+    colliding = identity.copy()
+    colliding[5] = -2  # draft id 5 -> target id 3, as draft id 3
+    colliding[40] = -1  # draft id 40 -> target id 39, as draft id 39
+    too_high = identity.copy()
+    too_high[59] = vocab - 59  # draft id 59 -> target id 97
+    negative = identity.copy()
+    negative[0] = -1  # draft id 0 -> target id -1
+    cases = [(colliding, r"draft ids 3 and 5 both map to target id 3 \(2 draft ids repeat"),
+             (too_high, rf"draft id 59 maps to target id 97, outside the target vocabulary \[0, {vocab}\)"),
+             (negative, rf"draft id 0 maps to target id -1, outside the target vocabulary \[0, {vocab}\)")]
+    for d2t, why in cases:
+        head.d2t[...] = jnp.asarray(d2t, jnp.int32)
+        with pytest.raises(ValueError, match=r"save_draft: head\.d2t .*" + why):
+            save_draft(head, tmp_path / "refused")
+        assert not (tmp_path / "refused").exists()
+        save_file(dict(tensors, d2t=d2t), str(weights))
+        with pytest.raises(DraftLoadError, match=re.escape(str(weights)) + r": tensor 'd2t' .*" + why):
+            load_draft(good, deep_target.cfg)
+    save_file(tensors, str(weights))
+    assert load_draft(good, deep_target.cfg).cfg.draft_vocab_size == 60  # the file itself was fine
+
+
 def test_switching_tree_configs_between_steps_needs_no_recompile_and_stays_lossless(oracle):
     """A scheduler may pick any precompiled TreeConfig (or none) per step over the same state."""
     from eagle_jax.sampling import SamplingParams
