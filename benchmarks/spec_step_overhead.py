@@ -77,12 +77,12 @@ def main(argv=None):
     target = eagle_jax.load_target("smollm2-135m-instruct")
     heads = {"eagle3": eagle_jax.random_head(target.cfg, "eagle3", seed=0),
              "eagle1": eagle_jax.random_head(target.cfg, "eagle1", seed=0)}
-    trees = {"chain3": TreeConfig.chain(3), "d4k4n16": TreeConfig(4, 4, 16)}
+    trees = {"chain3": TreeConfig.chain(3), "4,4,16": TreeConfig(4, 4, 16)}
     prompts = PROMPTS[: max(args.batch_size, 1)] if args.batch_size > 1 else PROMPTS
     batch_prompts = [prompts] if args.batch_size > 1 else [[p] for p in prompts]
 
     def run(draft=None, tree=None):
-        texts, ids, steps, counts, wall, toks = [], [], 0, [], 0.0, 0
+        ids, counts, wall, toks = [], [], 0.0, 0
         for ps in batch_prompts:
             r = eagle_jax.generate(target, ps, draft=draft, tree=tree, max_new_tokens=args.max_new_tokens,
                                    ignore_eos=True)

@@ -21,8 +21,13 @@ import sys
 import time
 from pathlib import Path
 
-from eagle_jax.datasets import DATASETS, load_dataset
+from eagle_jax.datasets import load_dataset
 from eagle_jax.tree import TreeConfig
+
+
+def tree_label(tree) -> str:
+    """"D,K,N" for a TreeConfig, "auto" for the harness."""
+    return tree if isinstance(tree, str) else tree.name
 
 
 def tree_arg(text: str):
@@ -112,7 +117,7 @@ def run_bench(target, draft, prompts, *, batch_size, temperature, max_new_tokens
         results.append({
             "batch_size": batch_size,
             "temperature": temperature,
-            "tree": t if isinstance(t, str) else t.name,
+            "tree": tree_label(t),
             "prompts": len(prompts),
             "plain_tokens_per_s": plain_tps,
             "spec_tokens_per_s": spec_tps,
@@ -161,7 +166,7 @@ def main(argv=None) -> int:
                 results += [{"dataset": name, **r} for r in rs]
     if bar:
         bar.close()
-    print(f"\n{args.model} + draft {args.draft}, tree {' '.join(map(tree_name, trees))}, "
+    print(f"\n{args.model} + draft {args.draft}, tree {' '.join(map(tree_label, trees))}, "
           f"{args.max_new_tokens} new tokens, {jax.default_backend()}")
     print(f"{'dataset':<12} {'batch':>5} {'temp':>5} {'tree':>7} {'plain tok/s':>12} {'spec tok/s':>11} "
           f"{'speedup':>8} {'tau':>6}  identical")
@@ -173,7 +178,7 @@ def main(argv=None) -> int:
         "benchmark": "eagle_jax.bench",
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "model": args.model, "draft": args.draft,
-        "trees": [tree_name(t) for t in trees],
+        "trees": [tree_label(t) for t in trees],
         "max_new_tokens": args.max_new_tokens,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
                     "backend": jax.default_backend()},

@@ -7,7 +7,6 @@ import json
 import numpy as np
 import pytest
 
-from eagle_jax import harness
 from eagle_jax import profiles
 from eagle_jax.harness import AcceptanceStats, Harness
 from eagle_jax.profiles import Profile

@@ -21,8 +21,6 @@ plain arm at these seeds alone gives 0.01 on that check). The broken rule gives 
 every setting, with tau 2.4-3.0 against 2.8-3.5 for the exact rule.
 """
 
-import dataclasses
-from collections import Counter
 
 import jax
 import numpy as np
