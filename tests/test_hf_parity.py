@@ -99,7 +99,6 @@ def test_checkpoint_parameters_are_not_trivial(tiny_hf, tmp_path):
 
 def test_llama3_rope_scaling_changes_the_logits(tiny_hf):
     # The llama3 case above would pass vacuously if the test sequence were too short for scaling to act.
-    import torch
     import transformers
 
     scaled = tiny_hf("llama", rope_parameters=LLAMA3_ROPE)
