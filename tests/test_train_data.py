@@ -130,7 +130,8 @@ def test_multi_turn_conversations_hold_every_answer_under_the_loss_mask(tiny_wit
                 again = eagle_jax.generate(tgt, [ids[:a].tolist()], max_new_tokens=5, temperature=temperature,
                                            seed=seed, chat=False)
                 np.testing.assert_array_equal(ids[a:b], again.token_ids[0])
-                messages.append({"role": "assistant", "content": tok.decode(ids[a:b].tolist(), skip_special_tokens=True)})
+                answer = tok.decode(ids[a:b].tolist(), skip_special_tokens=True)
+                messages.append({"role": "assistant", "content": answer})
             assert spans[-1][1] == len(ids)  # the conversation ends with the last answer
         if temperature == 0.0:
             # Single-turn rows are what they are in single-turn data (the same prompt ids and answer).

@@ -222,8 +222,8 @@ def _followup_ids(tokenizer, turns: Sequence[str], answers: Sequence[Sequence[in
     messages = []
     for k, a in enumerate(answers):
         last = k == len(answers) - 1
-        messages += [{"role": "user", "content": turns[k]},
-                     {"role": "assistant", "content": marker if last else tokenizer.decode(a, skip_special_tokens=True)}]
+        content = marker if last else tokenizer.decode(a, skip_special_tokens=True)
+        messages += [{"role": "user", "content": turns[k]}, {"role": "assistant", "content": content}]
     before = tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=False)
     text = tokenizer.apply_chat_template(messages + [{"role": "user", "content": turns[len(answers)]}],
                                          add_generation_prompt=True, tokenize=False)
