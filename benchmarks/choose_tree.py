@@ -43,7 +43,7 @@ def dev_prompts(path, n):
 
     path = Path(path)
     prompts = json.loads(path.read_text()) if path.suffix == ".json" else load_jsonl_prompts(path)
-    prompts = prompts[-n:]
+    prompts = [p if isinstance(p, str) else p[0] for p in prompts[-n:]]  # a conversation: its first turn
     check_not_eval(prompts, source=str(path))
     return prompts
 

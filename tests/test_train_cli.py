@@ -170,3 +170,28 @@ def test_prompt_sources_are_recorded_and_may_only_be_appended(tmp_path):
     assert collect_prompts(None, one, tmp_path / "d", tmp_path, "r.toml") == first
     with pytest.raises(RecipeError, match="may only be appended"):
         collect_prompts(None, [{"kind": "topics", "topics": ["chess"]}], tmp_path / "d", tmp_path, "r.toml")
+
+
+def test_jsonl_source_with_whole_conversations(tmp_path):
+    from eagle_jax.train.__main__ import RecipeError, collect_prompts
+    from eagle_jax.train.data import EvalContaminationError, eval_prompts
+
+    f = tmp_path / "chats.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in [{"turns": ["Write a limerick.", "Make it shorter."]},
+                                                     {"prompt": "Explain tides."}]) + "\n")
+    first = [{"kind": "jsonl", "path": str(f)}]
+    assert collect_prompts(None, first, tmp_path / "a", tmp_path, "r.toml") == ["Write a limerick.", "Explain tides."]
+    both = first + [{"kind": "jsonl", "path": str(f), "turns": "all"}]
+    prompts = collect_prompts(None, both, tmp_path / "a", tmp_path, "r.toml")
+    assert prompts[2:] == [["Write a limerick.", "Make it shorter."], "Explain tides."]
+    assert json.loads((tmp_path / "a" / "prompts.json").read_text()) == prompts
+    assert collect_prompts(None, first, tmp_path / "a", tmp_path, "r.toml") == prompts[:2]
+    with pytest.raises(RecipeError, match="turns must be"):
+        collect_prompts(None, [{"kind": "jsonl", "path": str(f), "turns": 2}], tmp_path / "b", tmp_path, "r.toml")
+    # An evaluation prompt as a follow-up turn is refused, though the first turn alone would pass.
+    mt = next(k for k, v in eval_prompts().items() if v == "MT-bench")
+    f.write_text(json.dumps({"turns": ["Write a limerick.", mt]}) + "\n")
+    assert collect_prompts(None, [{"kind": "jsonl", "path": str(f)}], tmp_path / "c", tmp_path, "r.toml") == [
+        "Write a limerick."]
+    with pytest.raises(EvalContaminationError, match="turn 2"):
+        collect_prompts(None, [{"kind": "jsonl", "path": str(f), "turns": "all"}], tmp_path / "d", tmp_path, "r.toml")

@@ -50,6 +50,15 @@ def test_jsonl_prompt_formats(tmp_path):
                                {"from": "gpt", "value": "x"}]}]
     f.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     assert data.load_jsonl_prompts(f) == ["A", "B", "C"]
+    # Whole conversations on request: several user turns become a list, a single one stays a string.
+    rows.append({"conversations": [{"from": "human", "value": "D"}, {"from": "gpt", "value": "y"},
+                                   {"from": "human", "value": "D2"}]})
+    rows.append({"turns": ["E"]})
+    f.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert data.load_jsonl_prompts(f) == ["A", "B", "C", "D", "E"]
+    assert data.load_jsonl_prompts(f, turns="all") == ["A", ["B", "B2"], "C", ["D", "D2"], "E"]
+    with pytest.raises(ValueError, match="turns must be"):
+        data.load_jsonl_prompts(f, turns="second")
     f.write_text('{"text": "no prompt field"}\n')
     with pytest.raises(ValueError, match=r"p\.jsonl:1: expected a 'prompt'"):
         data.load_jsonl_prompts(f)
@@ -89,6 +98,117 @@ def test_shards_hold_prompt_plus_target_answer_and_resume_exactly(tiny_with_real
     changed[2] = "Something else entirely."
     with pytest.raises(ValueError, match="may only be appended"):
         data.generate_dataset(tgt, changed, tmp_path / "grown", settings)
+
+
+def test_multi_turn_conversations_hold_every_answer_under_the_loss_mask(tiny_with_real_tokenizer, tmp_path):
+    tgt = tiny_with_real_tokenizer
+    tok = tgt.tokenizer
+    prompts = ["Name a river.", ["Write a haiku about tea.", "Make it shorter."], "Explain chess openings.",
+               ["What is bread?", "Now explain it to a child.", "Give an example in Python."],
+               ["Say hi.", "Say bye."], "One more single turn."]
+    for temperature in (0.0, 0.9):
+        settings = data.GenerationSettings(max_new_tokens=5, temperature=temperature, batch_size=2, shard_size=4,
+                                           seed=3)
+        out = tmp_path / f"t{temperature}"
+        data.generate_dataset(tgt, prompts, out, settings)
+        rows = data.read_dataset(out)
+        assert len(rows) == len(prompts)
+        for i, (p, (ids, mask)) in enumerate(zip(prompts, rows)):
+            turns = data.prompt_turns(p)
+            # The answers are exactly the masked runs, one per turn, in order.
+            edges = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])))
+            spans = list(zip(edges[::2], edges[1::2]))
+            assert len(spans) == len(turns) and mask[0] == 0
+            messages = []
+            for k, (a, b) in enumerate(spans):
+                # Before answer k: the chat template of the conversation so far (earlier answers included).
+                messages.append({"role": "user", "content": turns[k]})
+                want = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+                assert tok.decode(ids[:a].tolist(), skip_special_tokens=False) == want
+                # The answer is what the target writes in that context with turn k's seed.
+                seed = settings.seed + i + k * data.TURN_SEED_STRIDE
+                again = eagle_jax.generate(tgt, [ids[:a].tolist()], max_new_tokens=5, temperature=temperature,
+                                           seed=seed, chat=False)
+                np.testing.assert_array_equal(ids[a:b], again.token_ids[0])
+                answer = tok.decode(ids[a:b].tolist(), skip_special_tokens=True)
+                messages.append({"role": "assistant", "content": answer})
+            assert spans[-1][1] == len(ids)  # the conversation ends with the last answer
+        if temperature == 0.0:
+            # Single-turn rows are what they are in single-turn data (the same prompt ids and answer).
+            alone = data.generate_dataset(tgt, [p for p in prompts if isinstance(p, str)], tmp_path / "single",
+                                          settings)
+            assert alone["done"] == 3
+            single = data.read_dataset(tmp_path / "single")
+            for (ta, ma), (tb, mb) in zip(single, [rows[0], rows[2], rows[5]]):
+                np.testing.assert_array_equal(ta, tb)
+                np.testing.assert_array_equal(ma, mb)
+
+
+def test_followup_turn_closes_an_unfinished_answer_and_reuses_an_eos(tiny_with_real_tokenizer):
+    tok = tiny_with_real_tokenizer.tokenizer
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    ids = tok("Hello there", add_special_tokens=False)["input_ids"]
+    truncated = data._followup_ids(tok, ["Hi", "Again"], [ids], eos_ids=(end,))
+    finished = data._followup_ids(tok, ["Hi", "Again"], [ids + [end]], eos_ids=(end,))
+    assert tok.decode(truncated) == "<|im_end|>\n<|im_start|>user\nAgain<|im_end|>\n<|im_start|>assistant\n"
+    assert truncated == [end] + finished
+
+
+def test_multi_turn_data_resumes_exactly(tiny_with_real_tokenizer, tmp_path):
+    tgt = tiny_with_real_tokenizer
+    prompts = [["Tell me about rivers.", "Shorter, please."], "Bake bread.", ["Chess?", "Why?", "Example?"],
+               "Tea.", ["Name a tree.", "Another one."], "Owls.", ["Rain.", "Snow?"]]
+    for temperature in (0.0, 0.9):
+        settings = data.GenerationSettings(max_new_tokens=4, temperature=temperature, batch_size=2, shard_size=3,
+                                           seed=11)
+        full = tmp_path / f"full{temperature}"
+        resumed = tmp_path / f"resumed{temperature}"
+        data.generate_dataset(tgt, prompts, full, settings)
+        assert data.generate_dataset(tgt, prompts, resumed, settings, limit=4)["done"] == 4
+        data.generate_dataset(tgt, prompts, resumed, settings)
+        a, b = data.read_dataset(full), data.read_dataset(resumed)
+        assert len(a) == len(b) == 7
+        for (ta, ma), (tb, mb) in zip(a, b):
+            np.testing.assert_array_equal(ta, tb)
+            np.testing.assert_array_equal(ma, mb)
+    # The prompts' hash covers the turns: a changed follow-up is a changed prompt.
+    changed = list(prompts)
+    changed[0] = ["Tell me about rivers.", "Longer, please."]
+    with pytest.raises(ValueError, match="may only be appended"):
+        data.generate_dataset(tgt, changed, full, settings)
+
+
+def test_eval_prompts_are_refused_in_any_turn(tiny_with_real_tokenizer, tmp_path):
+    mt = next(k for k, v in data.eval_prompts().items() if v == "MT-bench")
+    he = next(k for k, v in data.eval_prompts().items() if v == "HumanEval")
+    data.check_not_eval(["fine", ["also fine", "still fine"]])
+    with pytest.raises(data.EvalContaminationError, match=r"prompt 1 \(turn 2\) is a MT-bench"):
+        data.check_not_eval(["fine", ["also fine", mt.upper()]])
+    with pytest.raises(data.EvalContaminationError, match=r"prompt 0 \(turn 3\) is a HumanEval"):
+        data.check_not_eval([["a", "b", he]])
+    with pytest.raises(data.EvalContaminationError):
+        data.generate_dataset(tiny_with_real_tokenizer, ["hello", ["hi", mt]], tmp_path / "d")
+    assert not (tmp_path / "d" / "manifest.json").exists()
+    with pytest.raises(ValueError, match="prompt 1: a prompt is a string or a non-empty list"):
+        data.generate_dataset(tiny_with_real_tokenizer, ["hello", []], tmp_path / "d")
+
+
+@pytest.mark.slow
+def test_committed_answers_are_reproduced_through_the_public_api(tmp_path):
+    """The first batch of the shipped head's data, regenerated by today's pipeline, is what is committed."""
+    from pathlib import Path
+
+    d = Path(__file__).resolve().parents[1] / "train" / "data" / "smollm2-135m-instruct-eagle3"
+    manifest = json.loads((d / "manifest.json").read_text())
+    settings = data.GenerationSettings(**manifest["settings"])
+    prompts = json.loads((d / "prompts.json").read_text())
+    tgt = eagle_jax.load_target("smollm2-135m-instruct")
+    data.generate_dataset(tgt, prompts, tmp_path / "again", settings, limit=settings.batch_size)
+    again = data.read_dataset(tmp_path / "again")
+    assert len(again) == settings.batch_size
+    for (ta, ma), (tb, mb) in zip(data.read_dataset(d), again):
+        np.testing.assert_array_equal(ta, tb)
+        np.testing.assert_array_equal(ma, mb)
 
 
 def test_user_turn_prefix_ends_where_the_user_text_starts(tiny_with_real_tokenizer):

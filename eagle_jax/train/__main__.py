@@ -51,16 +51,23 @@ def load_recipe(path) -> dict:
     return recipe
 
 
-def build_prompts(target, sources, base: Path, checkpoint_dir: Path | None = None) -> list[str]:
-    """Prompts of `sources`; a magpie source saves its progress under `checkpoint_dir` (resumable)."""
+def build_prompts(target, sources, base: Path, checkpoint_dir: Path | None = None) -> list:
+    """Prompts of `sources`; a magpie source saves its progress under `checkpoint_dir` (resumable).
+
+    A prompt is a string, or a list of strings for a conversation: a jsonl source with
+    `turns = "all"` keeps every user turn of its lines (the default, "first", keeps the first)."""
     from eagle_jax.train import data
 
-    prompts: list[str] = []
+    prompts: list = []
     for i, src in enumerate(sources):
         kind = src.get("kind")
         if kind == "jsonl":
             p = Path(src["path"])
-            prompts += data.load_jsonl_prompts(p if p.is_absolute() else base / p)
+            turns = src.get("turns", "first")
+            if turns not in ("first", "all"):
+                raise RecipeError(f"data.sources: jsonl source {src['path']}: turns must be \"first\" or \"all\", "
+                                  f"got {turns!r}")
+            prompts += data.load_jsonl_prompts(p if p.is_absolute() else base / p, turns=turns)
         elif kind == "topics":
             prompts += data.topic_prompts(src["topics"])
         elif kind == "magpie":
@@ -75,7 +82,7 @@ def build_prompts(target, sources, base: Path, checkpoint_dir: Path | None = Non
     return prompts
 
 
-def collect_prompts(target, sources: list, data_dir: Path, base: Path, recipe_name: str) -> list[str]:
+def collect_prompts(target, sources: list, data_dir: Path, base: Path, recipe_name: str) -> list:
     """The recipe's prompts, fixed once built: <data dir>/prompts.json holds them and
     prompt_sources.json the sources that made them (with counts). Sources appended to the recipe
     later are built and appended (more data for a later stage). A recipe that lists only the first
