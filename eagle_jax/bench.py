@@ -37,7 +37,7 @@ def tree_arg(text: str):
     try:
         return TreeConfig.parse(text)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"--tree: {e}") from None
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser():

@@ -14,6 +14,8 @@ import json
 import sys
 import types
 
+from eagle_jax.bench import tree_arg
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -36,20 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "an error if none), 'auto' (the shipped head if there is one, else plain decoding), a head "
                         "directory (official EAGLE / EAGLE-3 layout) or 'random' (an untrained EAGLE-3 head: same "
                         "output, not faster) (default: %(default)s; on CPU the shipped SmolLM2 head is about as "
-                        "fast as plain decoding with a fixed tree, see README.md; --auto-tree speculates only where "
+                        "fast as plain decoding with a fixed tree, see README.md; --tree auto speculates only where "
                         "it pays)")
-    from eagle_jax.tree import TreeConfig
-
-    tree = TreeConfig()
-    p.add_argument("--depth", type=int, default=tree.depth, help="draft tree depth (default: %(default)s)")
-    p.add_argument("--topk", type=int, default=tree.topk, help="children per expanded draft node (default: %(default)s)")
-    p.add_argument("--tree-tokens", type=int, default=tree.tree_tokens,
-                   help="tokens the target verifies per step, root included (default: %(default)s)")
-    p.add_argument("--auto-tree", action="store_true",
-                   help="let the load-aware harness pick, every step, a draft tree or plain decoding from step "
-                        "costs measured on this device (measured once, cached under ~/.cache/eagle_jax) and the "
-                        "acceptance seen so far, so speculation that does not pay is switched off; "
-                        "--depth/--topk/--tree-tokens are then unused")
+    p.add_argument("--tree", type=tree_arg, default=None,
+                   help="the draft tree, DEPTH,TOPK,TOKENS (default: 4,4,16), or 'auto': the load-aware harness "
+                        "picks, every step, a draft tree or plain decoding from step costs measured on this "
+                        "device (measured once, cached under ~/.cache/eagle_jax) and the acceptance seen so far, "
+                        "so speculation that does not pay is switched off")
     p.add_argument("--json", action="store_true", help="print one JSON object (texts, token ids, stats) instead of text")
     return p
 
@@ -65,14 +60,12 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from eagle_jax.loader import resolve_draft
-    from eagle_jax.tree import TreeConfig
 
     try:
         draft = resolve_draft(args.draft, target)
-        tree = None
-        if draft is not None:
-            tree = "auto" if args.auto_tree else TreeConfig(depth=args.depth, topk=args.topk,
-                                                             tree_tokens=args.tree_tokens)
+        tree = args.tree if draft is not None else None
+        if args.tree is not None and draft is None:
+            raise ValueError("--tree needs a draft head (--draft default, auto, random or a head directory)")
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

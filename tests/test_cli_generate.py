@@ -19,7 +19,7 @@ def test_help_documents_every_flag():
     out = _run("--help")
     assert out.returncode == 0
     for flag in ("--model", "--prompt", "--max-new-tokens", "--temperature", "--top-p", "--top-k", "--seed",
-                 "--stop", "--no-chat", "--json", "--draft", "--depth", "--topk", "--tree-tokens", "--auto-tree"):
+                 "--stop", "--no-chat", "--json", "--draft", "--tree"):
         assert flag in out.stdout
     assert "RuntimeWarning" not in out.stderr
 
@@ -53,15 +53,15 @@ def test_json_output_equals_the_library_result():
 def test_random_draft_from_the_cli_keeps_the_greedy_text(tmp_path):
     plain = json.loads(_run("--prompt", "Name three colors.", "--max-new-tokens", "12", "--json").stdout)
     out = _run("--prompt", "Name three colors.", "--max-new-tokens", "12", "--json", "--draft", "random",
-               "--depth", "3", "--topk", "2", "--tree-tokens", "6")
+               "--tree", "3,2,6")
     assert out.returncode == 0, out.stderr
     spec = json.loads(out.stdout)
     assert spec["token_ids"] == plain["token_ids"]
     assert sum(spec["stats"]["accept_histogram"]) == len(spec["stats"]["accepted_per_step"])
-    # --auto-tree: the harness measures this device's step costs (into EAGLE_JAX_CACHE) and picks per step.
+    # --tree auto: the harness measures this device's step costs (into EAGLE_JAX_CACHE) and picks per step.
     env = {**os.environ, "EAGLE_JAX_CACHE": str(tmp_path)}
     out = subprocess.run([sys.executable, "-m", "eagle_jax.generate", "--prompt", "Name three colors.",
-                          "--max-new-tokens", "12", "--json", "--draft", "random", "--auto-tree"],
+                          "--max-new-tokens", "12", "--json", "--draft", "random", "--tree", "auto"],
                          capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr
     auto = json.loads(out.stdout)
@@ -72,6 +72,7 @@ def test_random_draft_from_the_cli_keeps_the_greedy_text(tmp_path):
 
 
 def test_bad_tree_flags_are_a_clear_error():
-    out = _run("--model", "smollm2-135m-instruct", "--prompt", "hi", "--draft", "random", "--depth", "2",
-               "--topk", "2", "--tree-tokens", "50")
+    out = _run("--model", "smollm2-135m-instruct", "--prompt", "hi", "--draft", "random", "--tree", "2,2,50")
     assert out.returncode == 2 and "tree_tokens" in out.stderr and "Traceback" not in out.stderr
+    out = _run("--model", "smollm2-135m-instruct", "--prompt", "hi", "--draft", "random", "--tree", "d2k2n5")
+    assert out.returncode == 2 and "DEPTH,TOPK,TOKENS" in out.stderr and "Traceback" not in out.stderr
