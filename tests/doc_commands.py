@@ -2,7 +2,7 @@
 
 A doc command is a line of a ```bash block (continuation lines joined) in one of DOCS. Tests fetch one
 with `doc_command("unique prefix")` and run it, adding flags that shrink the work (argparse takes the
-last value of a repeated flag) or point outputs at a temporary directory. `tests/test_docs.py` checks
+last value of a repeated flag) or point outputs at a temporary directory. `tests/docs/test_docs.py` checks
 that every doc command is fetched by some test, so a command added to the docs without a test fails CI.
 """
 

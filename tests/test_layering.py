@@ -152,6 +152,47 @@ def test_the_checker_sees_cycles_private_names_and_layer_breaks(tmp_path):
     assert "eagle_jax.train.x imports" not in found  # the trainer may use the core
 
 
+def check_test_tree(tests: Path) -> list[str]:
+    """The test tree's own rules: tests sit in the folder of what they test (core/, serve/, train/,
+    kernels/, docs/), test modules import shared helpers (builders, doc_commands) and never each other,
+    and no two test files share a name (pytest imports them by basename)."""
+    found, names = [], {}
+    for f in sorted(tests.rglob("test_*.py")):
+        rel = f.relative_to(tests)
+        if len(rel.parts) == 1 and f.name != "test_layering.py":
+            found.append(f"{rel}: a test module at the top of tests/ (put it in the folder of what it tests)")
+        if f.name in names:
+            found.append(f"{rel}: same file name as {names[f.name]}")
+        names[f.name] = rel
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                    else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            for m in mods:
+                if m.split(".")[0].startswith("test_") or m.split(".")[0] == "conftest":
+                    found.append(f"{rel}:{node.lineno}: imports the test module {m} (shared code goes in builders.py)")
+    return found
+
+
+def test_tests_mirror_the_package_and_share_code_through_builders():
+    assert check_test_tree(ROOT / "tests") == []
+
+
+def test_the_test_tree_checker_fires(tmp_path):
+    (tmp_path / "core").mkdir()
+    (tmp_path / "builders.py").write_text("")
+    (tmp_path / "test_loose.py").write_text("")
+    (tmp_path / "core" / "test_a.py").write_text("from test_b import x\nimport builders\n")
+    (tmp_path / "core" / "test_b.py").write_text("")
+    (tmp_path / "serve").mkdir()
+    (tmp_path / "serve" / "test_b.py").write_text("def f():\n    import conftest\n")
+    found = "\n".join(check_test_tree(tmp_path))
+    assert "test_loose.py: a test module at the top" in found
+    assert "core/test_a.py:1: imports the test module test_b" in found
+    assert "serve/test_b.py: same file name as core/test_b.py" in found
+    assert "serve/test_b.py:2: imports the test module conftest" in found
+    assert "imports the test module builders" not in found
+
+
 if __name__ == "__main__":
     problems = violations(ROOT)
     print("\n".join(problems) or "layering OK")

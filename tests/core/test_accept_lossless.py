@@ -1,7 +1,7 @@
 """Speculative sampling is lossless over several steps: a two-sample chi-square test on whole sequences.
 
 A one-layer target with a 12-token vocabulary and an EAGLE-1 head that nearly reproduces it (the
-`oracle_pair` of test_speculative), so drafts are mostly accepted and a depth-3 tree often emits four
+`oracle_pair` of builders.py), so drafts are mostly accepted and a depth-3 tree often emits four
 tokens in one step. Each arm decodes NEW tokens for N rows of the same prompt: plain decoding with seeds
 0..N-1, speculative decoding with seeds 10**6..10**6+N-1 (independent of the plain arm's). Token 1 comes
 from the prefill, tokens 2..NEW from verify steps; a row takes two or more of them, so the test covers deep
@@ -29,7 +29,7 @@ import pytest
 import eagle_jax
 from eagle_jax import steps
 from eagle_jax.tree import TreeConfig
-from test_speculative import SMALL_VOCAB, oracle_pair
+from builders import SMALL_VOCAB, oracle_pair
 
 NEW = 6  # tokens per row: one from the prefill, up to four from each depth-3 step
 N = 20480  # draws per arm

@@ -8,24 +8,8 @@ import pytest
 
 import eagle_jax
 from eagle_jax import engine, steps
-from eagle_jax.config import ModelConfig
-from eagle_jax.loader import Target
-from eagle_jax.model import random_model
 from eagle_jax.sampling import SamplingParams, filter_logits
-
-TINY = ModelConfig(arch="llama", vocab_size=97, hidden_size=48, intermediate_size=96, num_layers=2,
-                   num_heads=4, num_kv_heads=2, head_dim=12, max_position=512)
-
-
-def tiny_target(cfg=TINY, seed=0, eos=()):
-    model = random_model(cfg, seed=seed)
-    # Sharper logits than the 0.02 init gives, so greedy and sampling differ visibly.
-    model.embed[...] = model.embed[...] * 25.0
-    return Target(model=model, tokenizer=None, name="tiny", source="random")
-
-
-PROMPTS = [[5, 9, 11], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8], [42], [7, 7, 7, 7, 7, 7]]
-
+from builders import PROMPTS, TINY, tiny_target
 
 @pytest.fixture(scope="module")
 def tiny():

@@ -10,39 +10,11 @@ import pytest
 import eagle_jax
 from eagle_jax import engine, profiles, rows, steps
 from eagle_jax.sampling import SamplingParams
-from eagle_jax.tree import parse_tree, tree_name
+from eagle_jax.tree import parse_tree
 from eagle_jax.draft import DraftLoadError, load_draft, random_head, save_draft
 from eagle_jax.tree import TreeConfig
-from test_decoding import PROMPTS, TINY, tiny_target
-
-MORE_PROMPTS = PROMPTS + [[8, 6, 7, 5, 3, 0, 9], [13] * 11, [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34],
-                          [90, 1]]
-
-
-def oracle_pair(cfg=dataclasses.replace(TINY, num_layers=1), attn_scale=0.5, seed=0):
-    """A one-layer target and an EAGLE-1 head that nearly reproduces it.
-
-    The head passes the token embedding through fc, skips attention and copies the target's MLP, so
-    it predicts the target's pre-norm hidden state up to the target's (down-scaled) attention term.
-    With all-ones final norm the lm_head ranks tokens the same, so drafts are usually accepted: the
-    tests exercise deep acceptance, multi-row commits and draft refreshes, not just rejections.
-    """
-    tgt = tiny_target(cfg, seed=seed)
-    blk = tgt.model.layers[0]
-    blk.wo[...] = blk.wo[...] * attn_scale
-    tgt.model.final_norm[...] = jnp.ones_like(tgt.model.final_norm[...])
-    head = random_head(cfg, "eagle1", seed=seed)
-    h = cfg.hidden_size
-    fc = np.zeros((2 * h, h), np.float32)
-    fc[:h] = np.eye(h)
-    head.fc[...] = jnp.asarray(fc)
-    head.fc_bias[...] = jnp.zeros((h,))
-    head.wo[...] = jnp.zeros_like(head.wo[...])
-    for name in ("w_gate", "w_up", "w_down"):
-        getattr(head, name)[...] = getattr(blk, name)[...]
-    head.post_norm[...] = blk.mlp_norm[...]
-    return tgt, head
-
+from builders import MORE_PROMPTS, PROMPTS, SMALL_VOCAB, TINY, oracle_pair, tiny_target
+from builders import write_profile as _profile
 
 @pytest.fixture(scope="module")
 def oracle():
@@ -137,7 +109,6 @@ def _two_sample_p(a, b, vocab):
     return chi2_contingency(np.stack([ca[keep], cb[keep]]))[1]
 
 
-SMALL_VOCAB = dataclasses.replace(TINY, vocab_size=12, num_layers=1)
 
 
 @pytest.fixture(scope="module")
@@ -368,20 +339,6 @@ def test_plain_steps_leave_pairs_the_draft_catches_up_on(deep_target, plain):
 
 
 # --- tree="auto": the harness picks a tree or a plain step every step ----------------------------------
-
-def _profile(tmp_path, tgt, head, b, s_len, extra, seconds):
-    """Writes a cost profile where the harness will find it (a synthetic one: the choice it forces is
-    the point, not this machine's numbers)."""
-    import json
-
-    from eagle_jax import harness
-
-    cands = [None] + [t for t in map(parse_tree, harness.DEFAULT_CANDIDATES) if t is not None]
-    names = [tree_name(t) for t in cands]
-    key = profiles.profile_key(tgt, head, [b], names, s_len)
-    prof = profiles.Profile(key, {b: {n: seconds(parse_tree(n)) for n in names}}, meta={})
-    (tmp_path / f"{key}.json").write_text(json.dumps(prof.to_json()))
-
 
 def test_auto_tree_is_lossless_and_follows_the_costs(tmp_path):
     from eagle_jax import harness

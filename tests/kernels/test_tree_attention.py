@@ -32,7 +32,7 @@ from pallas_kernels import BlockSizes, tree_attention, tree_attention_reference,
 from pallas_kernels.gpu import tree_attention_gpu
 from pallas_kernels.tpu import tree_attention_tpu
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KV_HEADS = 2
 PREFIX = 37  # cache slots before the tree in a "full" row; not a multiple of any block size below
 BLOCKS = BlockSizes(block_q=32, block_kv=16, kv_splits=3)  # kv_splits: GPU only

@@ -17,14 +17,14 @@ import pytest
 
 from doc_commands import ROOT, blocks, commands, doc_command, run, start_server
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def test_every_doc_command_is_run_by_a_test():
     import ast
 
     fetched = set()  # the prefixes that tests pass to doc_command("...")
-    for path in TESTS.glob("test_*.py"):
+    for path in TESTS.rglob("test_*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "doc_command"
                     and node.args and isinstance(node.args[0], ast.Constant)):
@@ -56,21 +56,20 @@ def test_the_main_command_installs_what_it_runs():
     assert parts[2] == "python -m eagle_jax.serve"  # run by test_main_command_serves_the_documented_request
 
 
-def _plain(messages, n):
+def _plain(target, messages, n):
     import eagle_jax
 
-    target = eagle_jax.load_target("smollm2-135m-instruct")
     return eagle_jax.generate(target, [messages], max_new_tokens=n).texts[0]
 
 
 @pytest.mark.slow
-def test_main_command_serves_the_documented_request_and_client_snippet(tmp_path):
+def test_main_command_serves_the_documented_request_and_client_snippet(tmp_path, smollm2, xla_cache):
     """README: the main command, then the curl request; serve/README: the openai client snippet."""
     serve = doc_command("pip install -e . &&").split("&&")[-1].strip()
     with open(tmp_path / "server.log", "w+") as log:
         proc, ready = start_server(serve, "--max-batch", "1", "--max-model-len", "256", "--candidates", "off", "3,4,8",
                                    "--profile-dir", str(tmp_path / "profiles"), "--profile-reps", "2",
-                                   "--compile-cache", "", "--no-warmup", log=log)
+                                   "--compile-cache", xla_cache, "--no-warmup", log=log)
         try:
             # The defaults: SmolLM2-135M-Instruct with its shipped head (speculation would read "off" without
             # a head), the harness choosing per step.
@@ -79,7 +78,7 @@ def test_main_command_serves_the_documented_request_and_client_snippet(tmp_path)
             out = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=600)
             body = json.loads(out.stdout)
             request = json.loads(shlex.split(curl)[-1])
-            assert body["choices"][0]["message"]["content"] == _plain(request["messages"], request["max_tokens"])
+            assert body["choices"][0]["message"]["content"] == _plain(smollm2, request["messages"], request["max_tokens"])
             assert body["usage"]["completion_tokens"] > 0
 
             (snippet,) = [b for _, b in blocks("python", "serve/README.md")]
@@ -87,7 +86,7 @@ def test_main_command_serves_the_documented_request_and_client_snippet(tmp_path)
             exec(snippet.replace("http://127.0.0.1:8000", ready["url"]), scope)
             r = scope["r"]
             messages = [{"role": "user", "content": "Name three rivers."}]
-            assert r.choices[0].message.content == _plain(messages, 64)
+            assert r.choices[0].message.content == _plain(smollm2, messages, 64)
             import openai
 
             client = openai.OpenAI(base_url=ready["url"] + "/v1", api_key="unused", max_retries=0, timeout=300)
@@ -101,7 +100,7 @@ def test_main_command_serves_the_documented_request_and_client_snippet(tmp_path)
 
 
 @pytest.mark.slow
-def test_serve_readme_commands(tmp_path):
+def test_serve_readme_commands(tmp_path, smollm2, xla_cache):
     import urllib.error
     import urllib.request
 
@@ -110,7 +109,7 @@ def test_serve_readme_commands(tmp_path):
     with open(tmp_path / "preset.log", "w+") as log:
         proc, ready = start_server(doc_command("python -m eagle_jax.serve --preset"), "--max-batch", "1",
                                    "--max-model-len", "256", "--candidates", "off", "--profile-dir",
-                                   str(tmp_path / "profiles"), "--compile-cache", "", "--no-warmup", log=log)
+                                   str(tmp_path / "profiles"), "--compile-cache", xla_cache, "--no-warmup", log=log)
         try:
             with urllib.request.urlopen(ready["url"] + "/health", timeout=30) as resp:
                 assert resp.status == 200
@@ -122,7 +121,7 @@ def test_serve_readme_commands(tmp_path):
     # The documented port is replaced by --port 0 (a free one; argparse takes the last value).
     with open(tmp_path / "random.log", "w+") as log:
         proc, ready = start_server(doc_command("python -m eagle_jax.serve --draft random"), "--max-batch", "1",
-                                   "--max-model-len", "256", "--compile-cache", "", "--no-warmup", log=log)
+                                   "--max-model-len", "256", "--compile-cache", xla_cache, "--no-warmup", log=log)
         try:
             assert ready["speculation"] == "fixed:4,4,16" and ready["auth"]
             with pytest.raises(openai.AuthenticationError):
@@ -131,22 +130,21 @@ def test_serve_readme_commands(tmp_path):
             messages = [{"role": "user", "content": "Name three primary colours."}]
             r = client.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=24,
                                                temperature=0)
-            assert r.choices[0].message.content == _plain(messages, 24)  # an untrained head changes nothing
+            assert r.choices[0].message.content == _plain(smollm2, messages, 24)  # an untrained head changes nothing
         finally:
             proc.terminate()
             proc.wait(30)
 
 
 @pytest.mark.slow
-def test_generate_commands():
+def test_generate_commands(smollm2):
     import eagle_jax
 
     plain = run(doc_command('python -m eagle_jax.generate --prompt "Explain'), "--max-new-tokens", "8")
     assert plain.stdout.strip()
     cmd = doc_command('python -m eagle_jax.generate --prompt "Write a haiku')
     out = json.loads(run(cmd, "--max-new-tokens", "16").stdout)
-    target = eagle_jax.load_target("smollm2-135m-instruct")
-    want = eagle_jax.generate(target, "Write a haiku about JAX.", max_new_tokens=16)
+    want = eagle_jax.generate(smollm2, "Write a haiku about JAX.", max_new_tokens=16)
     assert out["token_ids"] == want.token_ids and out["stats"]["tau"] >= 1.0
 
 

@@ -12,9 +12,9 @@ import pytest
 from eagle_jax.serve import ConfigError, ServeConfig, create_app, load_preset
 from eagle_jax.serve.__main__ import build_config, build_parser, main
 from eagle_jax.tree import TreeConfig
-from test_decoding import tiny_target
+from builders import tiny_target
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_shipped_preset_is_a_valid_config():
@@ -63,6 +63,7 @@ def test_settings_the_model_cannot_serve_are_errors():
         create_app(tiny, None, ServeConfig(max_model_len=100_000, warmup=False))
 
 
+@pytest.mark.slow
 def test_load_test_script_runs_every_mode_in_smoke_mode(tmp_path):
     out = tmp_path / "serve_load.json"
     from doc_commands import argv, doc_command

@@ -5,7 +5,7 @@ import pytest
 import eagle_jax
 from eagle_jax.tree import TreeConfig
 from eagle_jax.visualize import plot_tree, trace_step
-from test_speculative import PROMPTS, oracle_pair
+from builders import PROMPTS, oracle_pair
 
 
 def test_the_traced_step_emits_the_next_plain_greedy_tokens():

@@ -16,8 +16,8 @@ REGRESSION_PROMPTS = (0, 10, 20, 30, 40)
 
 
 @pytest.fixture(scope="module")
-def target():
-    return eagle_jax.load_target("smollm2-135m-instruct")
+def target(smollm2):
+    return smollm2
 
 
 @pytest.fixture(scope="module")

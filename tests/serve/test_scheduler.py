@@ -13,8 +13,7 @@ from eagle_jax.harness import FixedPolicy
 from eagle_jax.serve.scheduler import QueueFull, Request, Scheduler, SchedulerConfig
 from eagle_jax.stream import TokenStream
 from eagle_jax.tree import TreeConfig
-from test_decoding import PROMPTS, tiny_target
-from test_speculative import oracle_pair
+from builders import PROMPTS, oracle_pair, tiny_target
 
 
 class Collector:

@@ -9,7 +9,7 @@ import pytest
 
 from eagle_jax.loader import gguf_reader, builtin_path, gguf_tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 RECIPE = """
 [target]
@@ -63,6 +63,7 @@ def _run(recipe, *extra):
                           capture_output=True, text=True, timeout=600, cwd=REPO)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,features", [("eagle3", "online"), ("eagle1", "offline")])
 def test_recipe_runs_end_to_end_resumes_and_exports_a_loadable_head(tiny_model_dir, tmp_path, kind, features):
     jsonl = tmp_path / "extra.jsonl"

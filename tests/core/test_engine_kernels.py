@@ -18,7 +18,7 @@ import pytest
 import eagle_jax
 from eagle_jax.tree import TreeConfig
 from pallas_kernels import BlockSizes, use_implementation
-from test_speculative import MORE_PROMPTS, oracle_pair
+from builders import MORE_PROMPTS, oracle_pair
 
 # Small blocks so the tiny prompts still cross several KV blocks and partial ones.
 BLOCKS = BlockSizes(block_q=16, block_kv=16, kv_splits=2)

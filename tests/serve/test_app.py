@@ -29,8 +29,7 @@ from eagle_jax.tree import tree_name  # noqa: E402
 from eagle_jax.serve import ServeConfig, create_app  # noqa: E402
 from eagle_jax.serve.metrics import parse as parse_metrics  # noqa: E402
 from eagle_jax.tree import TreeConfig  # noqa: E402
-from test_decoding import tiny_target  # noqa: E402
-from test_speculative import oracle_pair  # noqa: E402
+from builders import oracle_pair, tiny_target  # noqa: E402
 
 CHARS = ["\n"] + [chr(c) for c in range(32, 127) if chr(c) not in "`~"]
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2; <|im_end|> is EOS

@@ -8,7 +8,7 @@ import pytest
 
 from eagle_jax.draft import random_head
 from eagle_jax.train import losses
-from test_decoding import TINY, tiny_target
+from builders import TINY, tiny_target
 
 CFG = dataclasses.replace(TINY, num_layers=6)
 
@@ -44,6 +44,7 @@ def _ttt_outputs(head, tgt, tokens, aux, steps):
     return outs
 
 
+@pytest.mark.slow
 def test_training_time_test_unroll_matches_inference_drafting(pair):
     tgt, head = pair
     rng = np.random.default_rng(0)

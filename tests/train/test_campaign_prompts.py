@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROMPTS = REPO / "train" / "prompts" / "campaign-prompts.jsonl"
 
 

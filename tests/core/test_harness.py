@@ -178,7 +178,7 @@ def test_candidates_parse_from_strings():
 
 
 def test_cost_profile_is_measured_once_cached_on_disk_and_remeasured_on_request(tmp_path, monkeypatch):
-    from test_speculative import oracle_pair
+    from builders import oracle_pair
 
     tgt, head = oracle_pair()
     cands = [None, TreeConfig.chain(2)]

@@ -64,16 +64,16 @@ def test_bench_reports_every_combination_and_checks_greedy_identity(tmp_path):
 
 def test_run_bench_with_the_auto_tree_reports_the_harness_choices(tmp_path, monkeypatch):
     from eagle_jax.bench import run_bench
-    from test_speculative import PROMPTS, oracle_pair
+    from builders import PROMPTS, oracle_pair
 
     import eagle_jax.engine as engine
     from eagle_jax import harness, steps
     from eagle_jax.rows import batch_shapes
-    from test_speculative import _profile
+    from builders import write_profile as _profile
 
     tgt, head = oracle_pair()
 
-    # A cost profile where every tree is cheap (measuring one is test_speculative's job), in the cache
+    # A cost profile where every tree is cheap (measuring one is test_engine_spec's job), in the cache
     # directory the bench's engine reads: the harness speculates, and each step's choice is counted.
     monkeypatch.setenv("EAGLE_JAX_CACHE", str(tmp_path))
     trees = harness.default_trees()

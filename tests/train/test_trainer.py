@@ -1,6 +1,5 @@
 """Trainer: learning on a tiny target, export round trip, kill-and-resume, sharded == single device."""
 
-import dataclasses
 import os
 import signal
 import subprocess
@@ -13,25 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import eagle_jax
 from eagle_jax.draft import load_draft, random_head
 from eagle_jax.train.trainer import OptimConfig, Trainer, export
-from test_decoding import TINY, tiny_target
+from builders import TRAIN_CFG as CFG
+from builders import train_setup as tiny_setup
 
-CFG = dataclasses.replace(TINY, num_layers=4)
-REPO = Path(__file__).resolve().parents[1]
-
-
-def tiny_setup(n_prompts=96):
-    """A tiny target with a peaked next-token distribution and rows of its own greedy answers."""
-    tgt = tiny_target(CFG)
-    tgt.model.lm_head[...] = tgt.model.lm_head[...] * 15
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, CFG.vocab_size, size=rng.integers(2, 6)).tolist() for _ in range(n_prompts)]
-    r = eagle_jax.generate(tgt, prompts, max_new_tokens=24)
-    rows = [(np.asarray(p + t, np.int32), np.asarray([0] * len(p) + [1] * len(t), np.uint8))
-            for p, t in zip(prompts, r.token_ids)]
-    return tgt, rows
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +55,7 @@ def test_exported_head_loads_back_with_the_same_draft_logits(setup, tmp_path):
 RUN = textwrap.dedent("""
     import sys, json, numpy as np
     sys.path.insert(0, {tests!r})
-    from test_trainer import tiny_setup, CFG
+    from builders import TRAIN_CFG as CFG, train_setup as tiny_setup
     from eagle_jax.draft import random_head
     from eagle_jax.train.trainer import Trainer, OptimConfig, Checkpointer
     tgt, rows = tiny_setup(48)
@@ -97,6 +83,7 @@ def _script(tmp_path, name, ckpt, slow):
     return path, out
 
 
+@pytest.mark.slow
 def test_killed_training_resumes_to_the_same_parameters(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     ref_script, ref_out = _script(tmp_path, "ref", tmp_path / "ck_ref", False)
@@ -127,7 +114,7 @@ SHARDED = textwrap.dedent("""
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax, numpy as np
     sys.path.insert(0, {tests!r})
-    from test_trainer import tiny_setup, CFG
+    from builders import TRAIN_CFG as CFG, train_setup as tiny_setup
     from eagle_jax.draft import random_head
     from eagle_jax.train.trainer import Trainer, OptimConfig, data_mesh
     assert len(jax.devices()) == 8
@@ -151,6 +138,7 @@ SHARDED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sharded_training_on_8_devices_with_and_without_fsdp_matches_1_device(tmp_path):
     script = tmp_path / "sharded.py"
     script.write_text(SHARDED.format(tests=str(REPO / "tests")))
@@ -168,7 +156,7 @@ DISTRIBUTED = textwrap.dedent("""
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator_address=f"127.0.0.1:{{port}}", num_processes=nproc, process_id=pid)
     import numpy as np
-    from test_trainer import tiny_setup, CFG
+    from builders import TRAIN_CFG as CFG, train_setup as tiny_setup
     from eagle_jax.draft import random_head
     from eagle_jax.train.trainer import Trainer, OptimConfig
     tgt, rows = tiny_setup(32)
@@ -181,6 +169,7 @@ DISTRIBUTED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_two_process_jax_distributed_training_matches_one_process(tmp_path):
     import socket
 

@@ -37,12 +37,11 @@ def test_module_stays_callable_after_importing_the_cli_module():
 
 
 @pytest.mark.slow
-def test_json_output_equals_the_library_result():
+def test_json_output_equals_the_library_result(smollm2):
     out = _run("--prompt", "Name three colors.", "--max-new-tokens", "12", "--json")
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
-    target = eagle_jax.load_target("smollm2-135m-instruct")
-    ref = eagle_jax.generate(target, "Name three colors.", max_new_tokens=12)
+    ref = eagle_jax.generate(smollm2, "Name three colors.", max_new_tokens=12)
     assert data["token_ids"] == ref.token_ids
     assert data["texts"] == ref.texts
     assert data["stats"]["generated_tokens"] == len(ref.token_ids[0])

@@ -21,8 +21,8 @@ CHAT_PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def ours():
-    return eagle_jax.load_target("smollm2-135m-instruct")
+def ours(smollm2):
+    return smollm2
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,200 @@
+"""Builders shared by the tests: tiny random targets and heads (JAX), tiny random transformers models
+(torch) and their GGUF twins, and the prompts the engine tests decode.
+
+Test modules import from here (never from each other); `conftest.py` wraps the common ones as fixtures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from eagle_jax import profiles
+from eagle_jax.config import ModelConfig
+from eagle_jax.draft import random_head
+from eagle_jax.loader import Target
+from eagle_jax.model import random_model
+from eagle_jax.tree import parse_tree, tree_name
+
+# --- JAX targets and heads -------------------------------------------------------------------------------
+
+TINY = ModelConfig(arch="llama", vocab_size=97, hidden_size=48, intermediate_size=96, num_layers=2,
+                   num_heads=4, num_kv_heads=2, head_dim=12, max_position=512)
+SMALL_VOCAB = dataclasses.replace(TINY, vocab_size=12, num_layers=1)
+TRAIN_CFG = dataclasses.replace(TINY, num_layers=4)  # the trainer tests' target
+
+PROMPTS = [[5, 9, 11], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8], [42], [7, 7, 7, 7, 7, 7]]
+MORE_PROMPTS = PROMPTS + [[8, 6, 7, 5, 3, 0, 9], [13] * 11, [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30, 32, 34],
+                          [90, 1]]
+
+
+def tiny_target(cfg=TINY, seed=0, eos=()):
+    model = random_model(cfg, seed=seed)
+    # Sharper logits than the 0.02 init gives, so greedy and sampling differ visibly.
+    model.embed[...] = model.embed[...] * 25.0
+    return Target(model=model, tokenizer=None, name="tiny", source="random")
+
+
+def oracle_pair(cfg=dataclasses.replace(TINY, num_layers=1), attn_scale=0.5, seed=0):
+    """A one-layer target and an EAGLE-1 head that nearly reproduces it.
+
+    The head passes the token embedding through fc, skips attention and copies the target's MLP, so
+    it predicts the target's pre-norm hidden state up to the target's (down-scaled) attention term.
+    With all-ones final norm the lm_head ranks tokens the same, so drafts are usually accepted: the
+    tests exercise deep acceptance, multi-row commits and draft refreshes, not just rejections.
+    """
+    tgt = tiny_target(cfg, seed=seed)
+    blk = tgt.model.layers[0]
+    blk.wo[...] = blk.wo[...] * attn_scale
+    tgt.model.final_norm[...] = jnp.ones_like(tgt.model.final_norm[...])
+    head = random_head(cfg, "eagle1", seed=seed)
+    h = cfg.hidden_size
+    fc = np.zeros((2 * h, h), np.float32)
+    fc[:h] = np.eye(h)
+    head.fc[...] = jnp.asarray(fc)
+    head.fc_bias[...] = jnp.zeros((h,))
+    head.wo[...] = jnp.zeros_like(head.wo[...])
+    for name in ("w_gate", "w_up", "w_down"):
+        getattr(head, name)[...] = getattr(blk, name)[...]
+    head.post_norm[...] = blk.mlp_norm[...]
+    return tgt, head
+
+
+def train_setup(n_prompts=96):
+    """A tiny target with a peaked next-token distribution and rows of its own greedy answers."""
+    import eagle_jax
+
+    tgt = tiny_target(TRAIN_CFG)
+    tgt.model.lm_head[...] = tgt.model.lm_head[...] * 15
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, TRAIN_CFG.vocab_size, size=rng.integers(2, 6)).tolist() for _ in range(n_prompts)]
+    r = eagle_jax.generate(tgt, prompts, max_new_tokens=24)
+    rows = [(np.asarray(p + t, np.int32), np.asarray([0] * len(p) + [1] * len(t), np.uint8))
+            for p, t in zip(prompts, r.token_ids)]
+    return tgt, rows
+
+
+def write_profile(directory, tgt, head, b, s_len, extra, seconds):
+    """Writes a cost profile where the harness will find it (a synthetic one: the choice it forces is
+    the point, not this machine's numbers). `seconds(tree or None)` gives each candidate's step time."""
+    from eagle_jax import harness
+
+    cands = [None] + [t for t in map(parse_tree, harness.DEFAULT_CANDIDATES) if t is not None]
+    names = [tree_name(t) for t in cands]
+    key = profiles.profile_key(tgt, head, [b], names, s_len)
+    prof = profiles.Profile(key, {b: {n: seconds(parse_tree(n)) for n in names}}, meta={})
+    (directory / f"{key}.json").write_text(json.dumps(prof.to_json()))
+
+
+# --- transformers models and GGUF files --------------------------------------------------------------------
+
+HF_TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+
+
+def make_tiny_hf(arch: str = "llama", seed: int = 0, **overrides):
+    """A tiny random `{arch}ForCausalLM` in eval mode, every parameter randomised.
+
+    Norm weights are drawn around 1 and biases around 0 but never equal to them, so a loader that
+    drops or misplaces a norm or a bias shows up in the logits.
+    """
+    import torch
+    import transformers
+
+    classes = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }
+    config_cls, model_cls = classes[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**{**HF_TINY, **overrides})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # tied weights appear once
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 0.15)
+    return model
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    # llama.cpp convert_hf_to_gguf.py LlamaModel.permute: interleaves the two rotary halves.
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _llama3_rope_freqs(cfg) -> np.ndarray:
+    # llama.cpp convert_hf_to_gguf.py LlamaModel.generate_extra_tensors: per-frequency divisors.
+    rope = cfg.rope_parameters
+    dim = cfg.head_dim
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_ctx = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_ctx / high:
+            out.append(1.0)
+        elif wavelen > old_ctx / low:
+            out.append(factor)
+        else:
+            smooth = (old_ctx / wavelen - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
+
+
+def write_llama_gguf(model, path, *, vocab_size_key: bool = True) -> None:
+    """Writes a transformers Llama as an F32 GGUF laid out like llama.cpp's converter output."""
+    import gguf
+
+    cfg = model.config
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+    if vocab_size_key:
+        w.add_vocab_size(cfg.vocab_size)
+    # add_tensor takes numpy-ordered arrays and writes GGUF's reversed (fastest-first) dims itself.
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    if not cfg.tie_word_embeddings:
+        w.add_tensor("output.weight", sd["lm_head.weight"])
+    if cfg.rope_parameters.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", _llama3_rope_freqs(cfg))
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        w.add_tensor(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        w.add_tensor(f"blk.{i}.attn_q.weight",
+                     _llama_cpp_permute(sd[p + "self_attn.q_proj.weight"], cfg.num_attention_heads))
+        w.add_tensor(f"blk.{i}.attn_k.weight",
+                     _llama_cpp_permute(sd[p + "self_attn.k_proj.weight"], cfg.num_key_value_heads))
+        w.add_tensor(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"])
+        w.add_tensor(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"])
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"])
+        w.add_tensor(f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"])
+        w.add_tensor(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
