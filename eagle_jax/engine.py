@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax import harness, profiles, steps
+from eagle_jax.rows import attention_window as window_bucket
 from eagle_jax.rows import batch_shapes, pad_prompts
 from eagle_jax.sampling import SamplingParams
 from eagle_jax.stream import TokenStream
@@ -73,16 +74,19 @@ class Engine:
         self._profiles: dict = {}  # (batch, cache length, profile dir) -> cost profile (tree="auto")
         self.acceptance = None  # (greedy, sampled) AcceptanceStats shared by this engine's tree="auto" calls
 
-    def run_prefill(self, tokens, prompt_lens, cache_len: int, draft_len: int, params) -> steps.DecodeState:
+    def run_prefill(self, tokens, prompt_lens, cache_len: int, draft_len: int, params,
+                    window: int | None = None) -> steps.DecodeState:
         b = tokens.shape[0]
         dcache = self.head.init_cache(b, draft_len) if self.head is not None else None
         return steps.prefill(self.graphdef, self.state, self.head_graphdef, self.head_state, jnp.asarray(tokens),
-                             jnp.asarray(prompt_lens), self.target.model.init_cache(b, cache_len), dcache, params)
+                             jnp.asarray(prompt_lens), self.target.model.init_cache(b, cache_len), dcache, params,
+                             window)
 
-    def run_step(self, s: steps.DecodeState, params, active, tree: TreeConfig | None, trace: bool = False):
+    def run_step(self, s: steps.DecodeState, params, active, tree: TreeConfig | None, trace: bool = False,
+                 window: int | None = None):
         """One step (see `steps.step`); the head rides along with plain steps so its draft can catch up."""
         return steps.step(self.graphdef, self.state, self.head_graphdef, self.head_state, s, params,
-                          jnp.asarray(active), tree, trace)
+                          jnp.asarray(active), tree, trace, window)
 
     def auto_policy(self, batch: int, cache_len: int, draft_len: int, trees, profile_dir=None) -> harness.Harness:
         """The load-aware harness for this batch bucket and cache length: the cost profile is measured
@@ -102,11 +106,15 @@ class Engine:
 
     def generate(self, prompt_ids: list[list[int]], *, max_new_tokens: int, params: SamplingParams,
                  tree: TreeConfig | str | None = None, stop: Sequence[str] = (), on_token=None,
-                 ignore_eos: bool = False, max_steps: int | None = None, profile_dir=None) -> GenerationResult:
+                 ignore_eos: bool = False, max_steps: int | None = None, profile_dir=None,
+                 attention_window: bool = False) -> GenerationResult:
         """tree: None (plain decoding), a TreeConfig (every step drafts that tree; needs a head) or "auto"
         (every step the harness picks a tree from `harness.DEFAULT_CANDIDATES` or a plain step, from the
         step costs measured on this device and the acceptance seen so far). max_steps stops after that many
-        target forwards, the prefill included (benchmark warm-ups: real buckets, little work)."""
+        target forwards, the prefill included (benchmark warm-ups: real buckets, little work).
+        attention_window: each step's attention reads only a power-of-two window of the cache that holds
+        the longest row (`rows.attention_window`; one compile per window), so long generations do not pay
+        for the cache's full length from their first token."""
         if isinstance(tree, str) and tree != "auto":
             raise ValueError(f"tree must be a TreeConfig, None or 'auto', got {tree!r}")
         if tree is not None and self.head is None:
@@ -133,7 +141,9 @@ class Engine:
             return kept
 
         start = time.perf_counter()
-        st = self.run_prefill(tokens, prompt_lens, s_len, s_len + draft_len_extra, params)
+        lens = np.asarray(prompt_lens).copy()  # committed cache length per row, as of the steps read so far
+        st = self.run_prefill(tokens, prompt_lens, s_len, s_len + draft_len_extra, params,
+                              window_bucket(t, s_len) if attention_window else None)
         root = np.asarray(st.root)
         first_token_s = time.perf_counter() - start
         for r in range(n):
@@ -156,7 +166,12 @@ class Engine:
                 n_act = int(active.sum())
                 step_tree = policy.choose(b, n_act, n_act, int((active & samples).sum())).tree
             rows_in = active.copy()
-            st, emitted, count = self.run_step(st, params, rows_in, step_tree)
+            window = None
+            if attention_window:  # room for what the steps in flight may commit, then this step's tree
+                ahead = lens + sum(np.where(p[3], 1 + (p[2].depth if p[2] is not None else 0), 0) for p in pending)
+                n_new = step_tree.tree_tokens if step_tree is not None else 1
+                window = window_bucket(int(ahead[rows_in].max(initial=0)) + n_new, s_len)
+            st, emitted, count = self.run_step(st, params, rows_in, step_tree, window=window)
             dispatched += 1
             pending.append((emitted, count, step_tree, rows_in))
 
@@ -169,6 +184,7 @@ class Engine:
                 dispatch()
             read += 1
             emitted, count = np.asarray(emitted), np.asarray(count)
+            lens += count
             observed, observed_sampled = [], []
             for r in range(n):
                 if not rows_in[r] or rows[r].done:
@@ -232,6 +248,7 @@ def generate(
     ignore_eos: bool = False,
     tree=None,
     max_steps: int | None = None,
+    attention_window: bool = False,
 ) -> GenerationResult:
     """Generates continuations for a batch of prompts.
 
@@ -246,6 +263,9 @@ def generate(
     (the load-aware harness picks a tree or plain decoding every step from costs measured on this device,
     so speculation that does not pay is switched off). The output is the same as without it: token
     for token when greedy, in distribution when sampling.
+    attention_window=True lets each step's attention read only the part of the KV cache the rows fill
+    (a power-of-two window; one compile per window): faster for long generations, the same tokens up
+    to float rounding.
     """
     if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
         prompts = [prompts]
@@ -265,4 +285,4 @@ def generate(
         tree = TreeConfig.parse(tree)
     return engine_for(target, draft).generate(ids, max_new_tokens=max_new_tokens, params=params, tree=tree,
                                               stop=stop, on_token=on_token, ignore_eos=ignore_eos,
-                                              max_steps=max_steps)
+                                              max_steps=max_steps, attention_window=attention_window)

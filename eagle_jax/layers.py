@@ -70,12 +70,18 @@ def project_qkv(h, wq, wk, wv, *, num_heads: int, num_kv_heads: int, head_dim: i
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
-def cached_attention(q, k, v, k_cache, v_cache, *, starts, lengths, tree_mask):
+def cached_attention(q, k, v, k_cache, v_cache, *, starts, lengths, tree_mask, window: int | None = None):
     """Writes the new keys / values at each row's slots [starts, starts + T) and attends over the
     committed prefix [0, lengths) plus the scratch keys [lengths, lengths + M) that tree_mask [B,T,M]
-    selects. Returns (attention output [B,T,Hq,D], k_cache, v_cache)."""
+    selects. Returns (attention output [B,T,Hq,D], k_cache, v_cache).
+
+    window (static): attention reads only cache slots [0, window), so its cost follows the longest
+    row instead of the cache's length; the caller guarantees lengths + M <= window for every row whose
+    output it keeps."""
     k_cache = write_rows(k_cache, k, starts)
     v_cache = write_rows(v_cache, v, starts)
+    if window is not None and window < k_cache.shape[1]:
+        return tree_attention(q, k_cache[:, :window], v_cache[:, :window], lengths, tree_mask), k_cache, v_cache
     return tree_attention(q, k_cache, v_cache, lengths, tree_mask), k_cache, v_cache
 
 

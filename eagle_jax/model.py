@@ -53,7 +53,7 @@ class Block(nnx.Module):
         self.w_gate, self.w_up = w(H, F), w(H, F)
         self.w_down = w(F, H)
 
-    def __call__(self, x, k_cache, v_cache, *, cfg: ModelConfig, positions, lengths, tree_mask):
+    def __call__(self, x, k_cache, v_cache, *, cfg: ModelConfig, positions, lengths, tree_mask, window=None):
         """x [B,T,H]; this layer's caches [B,S,K,D]. Returns (x, k_cache, v_cache)."""
         eps = cfg.rms_norm_eps
         q, k, v = project_qkv(
@@ -63,7 +63,7 @@ class Block(nnx.Module):
             biases=(self.bq[...], self.bk[...], self.bv[...]) if cfg.qkv_bias else None,
             qk_norms=(self.q_norm[...], self.k_norm[...]) if cfg.qk_norm else None)
         attn, k_cache, v_cache = cached_attention(q, k, v, k_cache, v_cache, starts=lengths, lengths=lengths,
-                                                  tree_mask=tree_mask)
+                                                  tree_mask=tree_mask, window=window)
         x = layer_tail(x, attn, self.wo[...], self.mlp_norm[...], self.w_gate[...], self.w_up[...],
                        self.w_down[...], eps, bo=self.bo[...] if cfg.o_bias else None)
         return x, k_cache, v_cache
@@ -102,6 +102,7 @@ class Transformer(nnx.Module):
         tree_mask=None,  # [B, T, T] bool; default causal
         capture_layers: Sequence[int] = (),
         logits_at=None,  # [B] index into T to compute logits for; None = all T; False = no logits
+        window: int | None = None,  # static: attend over cache slots [0, window) only (see layers.cached_attention)
     ) -> ForwardOutput:
         """Writes the new tokens' K/V at each row's [length, length + T) and returns logits / hidden.
 
@@ -122,7 +123,7 @@ class Transformer(nnx.Module):
         ks, vs = [], []
         for i, block in enumerate(self.layers):
             x, k_i, v_i = block(x, cache.k[i], cache.v[i], cfg=cfg, positions=positions,
-                                lengths=cache.lengths, tree_mask=tree_mask)
+                                lengths=cache.lengths, tree_mask=tree_mask, window=window)
             ks.append(k_i)
             vs.append(v_i)
             if i in capture_layers:

@@ -24,6 +24,14 @@ def next_pow2(n: int, minimum: int = 1) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def attention_window(need: int, cache_len: int, minimum: int = 128) -> int | None:
+    """The attention window (a power of two, at least `minimum`) that holds `need` slots, or None when
+    that is the whole cache: a step compiles once per window, and its attention costs what the window
+    holds instead of the cache's full length."""
+    w = next_pow2(need, minimum)
+    return None if w >= cache_len else w
+
+
 def length_bucket(n: int, minimum: int = 16) -> int:
     """Rounds up to 16, 24, 32, 48, 64, 96, 128, ...: at most 1.5x padding, two buckets per octave."""
     p = next_pow2(n, minimum)

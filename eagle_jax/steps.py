@@ -180,18 +180,20 @@ def draft_tree(target, head, s: DecodeState, tree: TreeConfig) -> Tree:
 
 # --- the jitted steps -------------------------------------------------------------------------------
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "head_graphdef"), donate_argnames=("cache", "draft_cache"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "head_graphdef", "window"),
+                   donate_argnames=("cache", "draft_cache"))
 def prefill(graphdef, state, head_graphdef, head_state, tokens, prompt_lens, cache: KVCache, draft_cache,
-            params: SamplingParams) -> DecodeState:
+            params: SamplingParams, window: int | None = None) -> DecodeState:
     """Runs the prompts [B, T] (right-padded; true lengths prompt_lens [B]) and samples the root (token
-    one); with a head (head_graphdef not None), then runs the draft over every prompt pair."""
+    one); with a head (head_graphdef not None), then runs the draft over every prompt pair.
+    window (static, >= T): the target's attention reads cache slots [0, window) only."""
     TRACE_COUNTS["prefill"] += 1
     target = nnx.merge(graphdef, state)
     head = None if head_graphdef is None else nnx.merge(head_graphdef, head_state)
     b = tokens.shape[0]
     cache = cache.replace(lengths=jnp.zeros_like(cache.lengths))
     out = target(tokens, cache, capture_layers=capture_layers(None if head is None else head.cfg),
-                 logits_at=prompt_lens - 1)
+                 logits_at=prompt_lens - 1, window=window)
     root = sample(out.logits, params, prompt_lens)
     cache = out.cache.replace(lengths=prompt_lens)
     if head is None:
@@ -207,7 +209,7 @@ def prefill(graphdef, state, head_graphdef, head_state, tokens, prompt_lens, cac
     return DecodeState(cache, root=root, **parts)
 
 
-def plain_step(target, head, s: DecodeState, params: SamplingParams, active):
+def plain_step(target, head, s: DecodeState, params: SamplingParams, active, window=None):
     """Feeds each row's root, samples the next token, commits one slot.
 
     With a head, the step keeps the target's features of the root and the sampled token as a pair the
@@ -215,7 +217,7 @@ def plain_step(target, head, s: DecodeState, params: SamplingParams, active):
     (`catch_up`), and the next speculative step consumes what is left."""
     length = s.cache.lengths
     out = target(s.root[:, None], s.cache, logits_at=jnp.zeros_like(s.root),
-                 capture_layers=capture_layers(None if head is None else head.cfg))
+                 capture_layers=capture_layers(None if head is None else head.cfg), window=window)
     token = sample(out.logits, params, length + 1)
     count = active.astype(jnp.int32)
     new = s.replace(cache=out.cache.replace(lengths=length + count), root=jnp.where(active, token, s.root))
@@ -228,7 +230,7 @@ def plain_step(target, head, s: DecodeState, params: SamplingParams, active):
     return new, token[:, None], count, None
 
 
-def tree_step(target, head, s: DecodeState, params: SamplingParams, active, tree: TreeConfig):
+def tree_step(target, head, s: DecodeState, params: SamplingParams, active, tree: TreeConfig, window=None):
     """Draft -> verify -> accept -> commit; see the module docstring."""
     # Rows stepped plainly since their last speculative step: their draft consumes those pairs first.
     s = catch_up_if(jnp.any(s.lag_n > 0), target, head, s)
@@ -240,7 +242,7 @@ def tree_step(target, head, s: DecodeState, params: SamplingParams, active, tree
                     jnp.ones((b, 1, 1), bool), jnp.full((b, 1), -1, jnp.int32)), 0
     length = s.cache.lengths
     out = target(t.tokens, s.cache, positions=length[:, None] + t.depths, tree_mask=t.mask,
-                 capture_layers=capture_layers(head.cfg), logits_at=None)
+                 capture_layers=capture_layers(head.cfg), logits_at=None, window=window)
     acc = accept(t, out.logits, params, length, d, rule=ACCEPT_RULE)
     count = jnp.where(active, acc.count, 0)
     cache = gather_rows(out.cache, acc.path, count)
@@ -264,12 +266,16 @@ def tree_step(target, head, s: DecodeState, params: SamplingParams, active, tree
     return new, nxt, count, info
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "head_graphdef", "tree", "trace"), donate_argnames=("s",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "head_graphdef", "tree", "trace", "window"),
+                   donate_argnames=("s",))
 def step(graphdef, state, head_graphdef, head_state, s: DecodeState, params: SamplingParams, active,
-         tree: TreeConfig | None = None, trace: bool = False):
+         tree: TreeConfig | None = None, trace: bool = False, window: int | None = None):
     """One decode step for every row: plain (tree None; a head, when given, keeps its pairs to catch up
     on) or speculative (a TreeConfig, which needs the head). Rows with active=False commit nothing
     (their state is unchanged) and report count 0.
+
+    window (static): the target's attention reads cache slots [0, window) only; every active row must
+    have length + N <= window (N tree tokens, 1 for a plain step). Inactive rows' outputs are dropped.
 
     Returns (new state, emitted [B, D+1] (D = 0 for a plain step), count [B]); with trace=True also the
     drafted tree and its acceptance (tokens, parents, depths, path, count, bonus) for visualisation.
@@ -280,7 +286,7 @@ def step(graphdef, state, head_graphdef, head_state, s: DecodeState, params: Sam
     if tree is not None:  # (a tree of one token verifies the root alone and refreshes the draft at once)
         if head is None:
             raise ValueError(f"tree {tree.name} needs a draft head")
-        new, emitted, count, info = tree_step(target, head, s, params, active, tree)
+        new, emitted, count, info = tree_step(target, head, s, params, active, tree, window)
     else:
-        new, emitted, count, info = plain_step(target, head, s, params, active)
+        new, emitted, count, info = plain_step(target, head, s, params, active, window)
     return (new, emitted, count, info) if trace else (new, emitted, count)

@@ -276,7 +276,8 @@ def generate_dataset(target, prompts: Sequence[Prompt], out_dir,
                            for i in batch]
                 r = eagle_jax.generate(target, ids, max_new_tokens=settings.max_new_tokens,
                                        temperature=settings.temperature, top_p=settings.top_p,
-                                       seed=settings.seed + batch[0] + k * TURN_SEED_STRIDE, chat=False)
+                                       seed=settings.seed + batch[0] + k * TURN_SEED_STRIDE, chat=False,
+                                       attention_window=True)
                 for i, p_ids, a_ids in zip(batch, ids, r.token_ids):
                     a_ids = [int(t) for t in a_ids]
                     conv_mask[i] += [0] * (len(p_ids) - len(conv[i])) + [1] * len(a_ids)

@@ -88,6 +88,21 @@ def test_compiles_once_per_bucket(tiny):
     assert after_new_bucket["prefill"] - before["prefill"] <= 1
 
 
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_attention_window_decodes_the_same_tokens_and_compiles_once_per_window(tiny, temperature):
+    kw = dict(max_new_tokens=300, ignore_eos=True, temperature=temperature, seed=3)
+    full = eagle_jax.generate(tiny, PROMPTS, **kw)
+    assert full.stats["buckets"]["cache"] == 512
+    before = dict(steps.TRACE_COUNTS)
+    windowed = eagle_jax.generate(tiny, PROMPTS, attention_window=True, **kw)
+    assert windowed.token_ids == full.token_ids
+    after = dict(steps.TRACE_COUNTS)
+    if temperature == 0.0:  # first windowed run: the prefill in a 128-slot window, steps at 128, 256, the whole cache
+        assert after["step"] - before["step"] == 2 and after["prefill"] - before["prefill"] == 1
+    eagle_jax.generate(tiny, PROMPTS, attention_window=True, **kw)
+    assert dict(steps.TRACE_COUNTS) == after
+
 def _np_filter(logits, temperature, top_k, top_p):
     x = logits / temperature
     order = np.argsort(-x, kind="stable")

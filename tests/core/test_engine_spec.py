@@ -52,6 +52,15 @@ def test_greedy_speculative_equals_plain_for_ragged_batches(oracle, batch):
     assert spec.token_ids == plain.token_ids
 
 
+@pytest.mark.parametrize("tree", [TreeConfig.chain(8), TreeConfig(4, 4, 16)], ids=str)
+def test_greedy_speculative_with_an_attention_window_equals_plain(oracle, tree):
+    """Windows grow as rows do, with room for a step in flight and its tree (tau > 2: several tokens a step)."""
+    tgt, head = oracle
+    plain = eagle_jax.generate(tgt, MORE_PROMPTS, max_new_tokens=220)
+    spec = eagle_jax.generate(tgt, MORE_PROMPTS, draft=head, tree=tree, max_new_tokens=220, attention_window=True)
+    assert spec.token_ids == plain.token_ids and spec.stats["tau"] > 2
+
+
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
 @pytest.mark.parametrize("tree", [TreeConfig.chain(3), TreeConfig(3, 4, 12)], ids=str)
 def test_untrained_random_heads_are_lossless_on_a_deeper_target(deep_target, kind, tree):
@@ -406,12 +415,22 @@ def test_auto_tree_compiles_every_candidate_up_front_when_the_profile_comes_from
     assert after["step"] - before["step"] <= len(trees) + 1
 
 
-def test_auto_tree_measures_a_profile_when_none_is_cached(tmp_path):
+def test_auto_tree_measures_a_profile_when_none_is_cached(tmp_path, monkeypatch):
     tgt, head = oracle_pair()
     batch = [PROMPTS[0], PROMPTS[1]]
     plain = eagle_jax.generate(tgt, batch, max_new_tokens=12, chat=False)
+    measure, traced = profiles.measure_profile, []
+
+    def measured(*a, **k):
+        out = measure(*a, **k)
+        traced.append(steps.TRACE_COUNTS["step"])
+        return out
+
+    monkeypatch.setattr(profiles, "measure_profile", measured)
     r = engine.Engine(tgt, head).generate(
         [list(p) for p in batch], max_new_tokens=12, params=SamplingParams.make(2), tree="auto",
         profile_dir=tmp_path)
     assert r.token_ids == plain.token_ids and r.stats["profile"] == "measured"
     assert len(list(tmp_path.glob("*.json"))) == 1  # cached for the next call
+    # Measuring compiled each candidate exactly as the engine calls it: generating compiled nothing more.
+    assert traced == [steps.TRACE_COUNTS["step"]]

@@ -77,3 +77,31 @@ def test_gather_rows_makes_the_kept_scratch_tokens_contiguous():
         np.testing.assert_array_equal(ok[layer, 0, :3, 0, 0], k[layer, 0, :3, 0, 0])  # prefix untouched
     np.testing.assert_array_equal(np.asarray(out.v), -ok)
     np.testing.assert_array_equal(np.asarray(advance(cache, jnp.asarray([1, 2])).lengths), [4, 7])
+
+
+def test_an_attention_window_reads_only_its_slots():
+    """layers.cached_attention(window=W) attends over slots [0, W): the same output while every row fits,
+    a different one for a row that does not (so the window really bounds what attention reads)."""
+    from eagle_jax.layers import cached_attention
+    from eagle_jax.rows import attention_window
+
+    rng = np.random.default_rng(3)
+    b, n, hq, kv, d, s = 2, 3, 4, 2, 8, 512
+    q, k, v = (jnp.asarray(rng.normal(size=shape), jnp.float32)
+               for shape in [(b, n, hq, d), (b, n, kv, d), (b, n, kv, d)])
+    kc, vc = (jnp.asarray(rng.normal(size=(b, s, kv, d)), jnp.float32) for _ in range(2))
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (b, n, n))
+
+    def run(lengths, window):
+        lengths = jnp.asarray(lengths, jnp.int32)
+        return cached_attention(q, k, v, kc, vc, starts=lengths, lengths=lengths, tree_mask=mask, window=window)
+
+    full, k_full, _ = run([100, 125], None)
+    win, k_win, _ = run([100, 125], 128)
+    np.testing.assert_allclose(np.asarray(win), np.asarray(full), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(k_win), np.asarray(k_full))  # writes go to the whole cache
+    over, _, _ = run([100, 200], 128)  # row 1's prefix and tree lie past the window
+    np.testing.assert_allclose(np.asarray(over[0]), np.asarray(full[0]), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(np.asarray(over[1]), np.asarray(run([100, 200], None)[0][1]), atol=1e-3)
+    assert [attention_window(x, 1024) for x in (1, 128, 129, 300, 512, 513)] == [128, 128, 256, 512, 512, None]
+    assert attention_window(100, 128) is None  # the whole cache: no window
