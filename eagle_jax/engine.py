@@ -152,6 +152,7 @@ class Engine:
         counts, choices = [], {}
         dispatched = 1  # target forwards started (the prefill is the first)
         pending: list = []
+        unread: list = []  # steps dispatched whose counts are not in `lens` yet (pending, and the one being read)
 
         def can_step(in_flight: int) -> bool:
             if max_steps is not None and dispatched >= max_steps:
@@ -168,12 +169,13 @@ class Engine:
             rows_in = active.copy()
             window = None
             if attention_window:  # room for what the steps in flight may commit, then this step's tree
-                ahead = lens + sum(np.where(p[3], 1 + (p[2].depth if p[2] is not None else 0), 0) for p in pending)
+                ahead = lens + sum(np.where(p[3], 1 + (p[2].depth if p[2] is not None else 0), 0) for p in unread)
                 n_new = step_tree.tree_tokens if step_tree is not None else 1
                 window = window_bucket(int(ahead[rows_in].max(initial=0)) + n_new, s_len)
             st, emitted, count = self.run_step(st, params, rows_in, step_tree, window=window)
             dispatched += 1
             pending.append((emitted, count, step_tree, rows_in))
+            unread.append(pending[-1])
 
         if can_step(0):
             dispatch()
@@ -185,6 +187,7 @@ class Engine:
             read += 1
             emitted, count = np.asarray(emitted), np.asarray(count)
             lens += count
+            unread.pop(0)
             observed, observed_sampled = [], []
             for r in range(n):
                 if not rows_in[r] or rows[r].done:

@@ -56,9 +56,31 @@ def test_greedy_speculative_equals_plain_for_ragged_batches(oracle, batch):
 def test_greedy_speculative_with_an_attention_window_equals_plain(oracle, tree):
     """Windows grow as rows do, with room for a step in flight and its tree (tau > 2: several tokens a step)."""
     tgt, head = oracle
-    plain = eagle_jax.generate(tgt, MORE_PROMPTS, max_new_tokens=220)
-    spec = eagle_jax.generate(tgt, MORE_PROMPTS, draft=head, tree=tree, max_new_tokens=220, attention_window=True)
+    plain = eagle_jax.generate(tgt, MORE_PROMPTS, max_new_tokens=140)  # cache 256: windows of 128, then all
+    spec = eagle_jax.generate(tgt, MORE_PROMPTS, draft=head, tree=tree, max_new_tokens=140, attention_window=True)
     assert spec.token_ids == plain.token_ids and spec.stats["tau"] > 2
+
+
+@pytest.mark.parametrize("tree", [None, TreeConfig.chain(8), TreeConfig(4, 4, 16)], ids=str)
+def test_every_windowed_step_holds_its_rows_and_their_tree(oracle, tree, monkeypatch):
+    """The host picks each window before it has read the steps in flight: it must leave room for what
+    they may commit plus this step's tree, for every active row (checked against the device's lengths)."""
+    tgt, head = oracle
+    eng = engine.Engine(tgt, head)
+    run_step, seen = eng.run_step, []
+
+    def checked(s, params, active, step_tree, trace=False, window=None):
+        lengths = np.asarray(s.cache.lengths)[np.asarray(active)]
+        need = int(lengths.max(initial=0)) + (step_tree.tree_tokens if step_tree is not None else 1)
+        seen.append((need, window))
+        return run_step(s, params, active, step_tree, trace, window)
+
+    monkeypatch.setattr(eng, "run_step", checked)
+    eng.generate([list(p) for p in MORE_PROMPTS], max_new_tokens=140, params=SamplingParams.make(len(MORE_PROMPTS)),
+                 tree=tree, attention_window=True)
+    assert {w for _, w in seen} == {128, None}  # the window grew past 128 during the run
+    assert all(need <= w for need, w in seen if w is not None), [x for x in seen if x[1] and x[0] > x[1]]
+    assert max(need for need, w in seen if w == 128) > 128 - 8  # rows came right up to the window's edge
 
 
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
