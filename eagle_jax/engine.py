@@ -151,8 +151,7 @@ class Engine:
         active = np.array([not row.done for row in rows] + [False] * (b - n))
         counts, choices = [], {}
         dispatched = 1  # target forwards started (the prefill is the first)
-        pending: list = []
-        unread: list = []  # steps dispatched whose counts are not in `lens` yet (pending, and the one being read)
+        pending: list = []  # steps dispatched whose counts are not in `lens` yet (the first is being read)
 
         def can_step(in_flight: int) -> bool:
             if max_steps is not None and dispatched >= max_steps:
@@ -169,25 +168,24 @@ class Engine:
             rows_in = active.copy()
             window = None
             if attention_window:  # room for what the steps in flight may commit, then this step's tree
-                ahead = lens + sum(np.where(p[3], 1 + (p[2].depth if p[2] is not None else 0), 0) for p in unread)
+                ahead = lens + sum(np.where(p[3], 1 + (p[2].depth if p[2] is not None else 0), 0) for p in pending)
                 n_new = step_tree.tree_tokens if step_tree is not None else 1
                 window = window_bucket(int(ahead[rows_in].max(initial=0)) + n_new, s_len)
             st, emitted, count = self.run_step(st, params, rows_in, step_tree, window=window)
             dispatched += 1
             pending.append((emitted, count, step_tree, rows_in))
-            unread.append(pending[-1])
 
         if can_step(0):
             dispatch()
         read = 0  # steps whose tokens were used
         while pending:
-            emitted, count, step_tree, rows_in = pending.pop(0)
-            if can_step(len(pending) + 1):
+            emitted, count, step_tree, rows_in = pending[0]  # stays in flight until its counts are read
+            if can_step(len(pending)):
                 dispatch()
             read += 1
             emitted, count = np.asarray(emitted), np.asarray(count)
             lens += count
-            unread.pop(0)
+            pending.pop(0)
             observed, observed_sampled = [], []
             for r in range(n):
                 if not rows_in[r] or rows[r].done:

@@ -80,9 +80,8 @@ def cached_attention(q, k, v, k_cache, v_cache, *, starts, lengths, tree_mask, w
     output it keeps."""
     k_cache = write_rows(k_cache, k, starts)
     v_cache = write_rows(v_cache, v, starts)
-    if window is not None and window < k_cache.shape[1]:
-        return tree_attention(q, k_cache[:, :window], v_cache[:, :window], lengths, tree_mask), k_cache, v_cache
-    return tree_attention(q, k_cache, v_cache, lengths, tree_mask), k_cache, v_cache
+    k_seen, v_seen = (k_cache, v_cache) if window is None else (k_cache[:, :window], v_cache[:, :window])
+    return tree_attention(q, k_seen, v_seen, lengths, tree_mask), k_cache, v_cache
 
 
 def layer_tail(residual, attn, wo, mlp_norm, w_gate, w_up, w_down, eps, bo=None):
