@@ -198,3 +198,34 @@ def write_llama_gguf(model, path, *, vocab_size_key: bool = True) -> None:
     w.close()
 
 
+
+
+def memory_maps() -> tuple[int, int] | None:
+    """(memory mappings this process holds, the kernel's per-process limit), or None off Linux."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            held = sum(1 for _ in f)
+        with open("/proc/sys/vm/max_map_count") as f:
+            return held, int(f.read())
+    except OSError:
+        return None
+
+
+def release_compiled_code(fraction: float = 0.5) -> bool:
+    """Drops JAX's caches (freeing their compiled executables) once this process holds more than
+    `fraction` of the kernel's per-process memory mappings; True if it did.
+
+    Every XLA:CPU executable keeps about six mappings until its jit cache entry goes. A pytest worker
+    that runs a few hundred tests compiles thousands of executables; it reached vm.max_map_count
+    (65530), the next mmap inside XLA failed, and the worker died with a segmentation fault in
+    compilation or while serialising an executable. Later tests compile what they need again."""
+    maps = memory_maps()
+    if maps is None or maps[0] <= maps[1] * fraction:
+        return False
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+    return True

@@ -1,10 +1,6 @@
-"""Test-wide set-up: session-scoped fixtures so the real SmolLM2-135M-Instruct target is loaded once per
-run, and an opt-in persistent XLA compilation cache.
-
-The cache is off unless `EAGLE_TEST_XLA_CACHE=<dir>` is set: serialising XLA:CPU executables into it
-crashed a CI worker with a segmentation fault (inside `executable.serialize()`), and a crashed worker
-under `--dist loadgroup` makes pytest-xdist 3.8 wait forever. Set it for local reruns, where most
-compilations then come from disk.
+"""Test-wide set-up: one persistent XLA compilation cache for this process and every subprocess it starts,
+session-scoped fixtures so the real SmolLM2-135M-Instruct target is loaded once per run, and a guard
+that frees compiled code before a long-lived worker runs out of memory mappings.
 
 Builders (tiny random models, prompts, GGUF writers) live in `builders.py`; test modules import from
 there, never from each other.
@@ -16,12 +12,11 @@ import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# Before anything imports jax: the environment reaches the CLI and server subprocesses too.
-XLA_CACHE = os.environ.get("EAGLE_TEST_XLA_CACHE", "")
-if XLA_CACHE:
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = XLA_CACHE
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# Before anything imports jax: the environment reaches the CLI and server subprocesses too, so a
+# command test reuses what the in-process tests (or an earlier command) compiled.
+XLA_CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".test-cache" / "xla"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import pytest  # noqa: E402
 
@@ -38,6 +33,14 @@ def pytest_collection_modifyitems(config, items):
         if {"smollm2", "shipped_head"} & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
             item.add_marker(pytest.mark.xdist_group("smollm2"))
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_code():
+    """Frees compiled executables when this worker nears the kernel's limit on memory mappings
+    (`builders.release_compiled_code`)."""
+    yield
+    builders.release_compiled_code()
 
 
 @pytest.fixture(scope="session")
@@ -58,7 +61,7 @@ def shipped_head(smollm2):
 
 @pytest.fixture(scope="session")
 def xla_cache() -> str:
-    """The compilation cache directory this run shares ("" = off); pass it to servers as --compile-cache."""
+    """The compilation cache directory this run shares; pass it to servers as --compile-cache."""
     return XLA_CACHE
 
 
