@@ -8,6 +8,8 @@ speculative generation interleaved batch by batch on the same prompts (this mach
 noisy; interleaving keeps the ratio fair). Reports tokens/s of each, the speedup, tau (tokens per
 verify step including the bonus token), the accepted-length histogram, wall time, and for greedy
 runs whether the outputs were identical. Prints a table and writes JSON (`results`, one entry each).
+Every run uses one KV cache length (the longest prompt's need), so each batch size compiles one set
+of shapes and the load-aware harness (`--tree auto`) measures one cost profile per batch size.
 """
 
 from __future__ import annotations
@@ -73,17 +75,33 @@ def resolve_draft(spec: str, target):
     return resolve_draft(spec, target)
 
 
-def run_bench(target, draft, prompts, *, batch_size, temperature, max_new_tokens, tree, seed, progress=None):
+def run_cache_len(target, prompt_sets, max_new_tokens: int, trees) -> int:
+    """One KV cache length for a whole run: the longest prompt of any set, its answer and the largest tree's
+    slack. Every dataset, batch, plain run and tree then compiles (and the harness profiles) one set of
+    shapes per batch size instead of one per cache bucket the batches happen to land in."""
+    from eagle_jax import harness, steps
+    from eagle_jax.engine import encode_prompts
+
+    all_trees = [x for t in trees for x in (harness.default_trees() if t == "auto" else [t])]
+    longest = max(len(ids) for prompts in prompt_sets for ids in encode_prompts(target.tokenizer, prompts, True))
+    return longest + max_new_tokens + 1 + steps.tree_slack(all_trees)
+
+
+def run_bench(target, draft, prompts, *, batch_size, temperature, max_new_tokens, tree, seed, progress=None,
+              cache_len=None):
     """Plain vs speculative decoding on `prompts`; `tree` is one tree (returns one result) or a list of
     trees (returns one result per tree, all against the same plain runs). Per batch of prompts the
-    plain run and each tree's run follow each other, so machine noise hits all of them alike."""
+    plain run and each tree's run follow each other, so machine noise hits all of them alike.
+    cache_len: the KV cache length every run uses (default `run_cache_len` of these prompts)."""
     import numpy as np
 
     import eagle_jax
 
     trees = list(tree) if isinstance(tree, (list, tuple)) else [tree]
     batches = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
-    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    if cache_len is None:
+        cache_len = run_cache_len(target, [prompts], max_new_tokens, trees)
+    kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, cache_len=cache_len)
     # Warm-up: compile every bucket both engines will use (same shapes as the timed run, 2 steps each).
     for b in batches:
         eagle_jax.generate(target, b, max_steps=2, **kw)
@@ -128,6 +146,7 @@ def run_bench(target, draft, prompts, *, batch_size, temperature, max_new_tokens
             "plain_wall_s": plain_t,
             "spec_wall_s": a["t"],
             "wall_s": wall,
+            "cache_len": cache_len,
             "plain_tokens": plain_n,
             "spec_tokens": a["n"],
             **({"choices": a["choices"]} if a["choices"] else {}),
@@ -156,13 +175,14 @@ def main(argv=None) -> int:
         from tqdm import tqdm
 
         bar = tqdm(total=total, desc="bench", unit="prompt", file=sys.stderr)
+    cache_len = run_cache_len(target, list(data.values()), args.max_new_tokens, trees)
     results = []
     for name, prompts in data.items():
         for bs in args.batch_size:
             for temp in args.temperature:
                 rs = run_bench(target, draft, prompts, batch_size=bs, temperature=temp,
                                max_new_tokens=args.max_new_tokens, tree=trees, seed=args.seed,
-                               progress=bar.update if bar else None)
+                               progress=bar.update if bar else None, cache_len=cache_len)
                 results += [{"dataset": name, **r} for r in rs]
     if bar:
         bar.close()

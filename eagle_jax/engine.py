@@ -21,7 +21,7 @@ from flax import nnx
 
 from eagle_jax import harness, profiles, steps
 from eagle_jax.rows import attention_window as window_bucket
-from eagle_jax.rows import batch_shapes, pad_prompts
+from eagle_jax.rows import batch_shapes, next_pow2, pad_prompts
 from eagle_jax.sampling import SamplingParams
 from eagle_jax.stream import TokenStream
 from eagle_jax.tree import TreeConfig, tree_name
@@ -107,14 +107,17 @@ class Engine:
     def generate(self, prompt_ids: list[list[int]], *, max_new_tokens: int, params: SamplingParams,
                  tree: TreeConfig | str | None = None, stop: Sequence[str] = (), on_token=None,
                  ignore_eos: bool = False, max_steps: int | None = None, profile_dir=None,
-                 attention_window: bool = False) -> GenerationResult:
+                 attention_window: bool = False, cache_len: int | None = None) -> GenerationResult:
         """tree: None (plain decoding), a TreeConfig (every step drafts that tree; needs a head) or "auto"
         (every step the harness picks a tree from `harness.DEFAULT_CANDIDATES` or a plain step, from the
         step costs measured on this device and the acceptance seen so far). max_steps stops after that many
         target forwards, the prefill included (benchmark warm-ups: real buckets, little work).
         attention_window: each step's attention reads only a power-of-two window of the cache that holds
         the longest row (`rows.attention_window`; one compile per window), so long generations do not pay
-        for the cache's full length from their first token."""
+        for the cache's full length from their first token.
+        cache_len: the KV cache holds at least this many slots (rounded up to a power of two, >= 128), so
+        calls with different prompts compile and profile the same shapes (benchmarks pass one value for
+        the whole run)."""
         if isinstance(tree, str) and tree != "auto":
             raise ValueError(f"tree must be a TreeConfig, None or 'auto', got {tree!r}")
         if tree is not None and self.head is None:
@@ -124,6 +127,8 @@ class Engine:
         slack = steps.tree_slack(trees) if self.head is not None else 0
         draft_len_extra = steps.draft_extra(trees)
         b, t, s_len = batch_shapes(self.target.cfg.max_position, prompt_ids, max_new_tokens, slack)
+        if cache_len is not None:
+            s_len = max(s_len, next_pow2(cache_len, 128))
         tokens, prompt_lens = pad_prompts(prompt_ids, b, t)
         params = params.pad_to(b)
         policy = self.auto_policy(b, s_len, s_len + draft_len_extra, trees, profile_dir) if auto else None
@@ -250,6 +255,7 @@ def generate(
     tree=None,
     max_steps: int | None = None,
     attention_window: bool = False,
+    cache_len: int | None = None,
 ) -> GenerationResult:
     """Generates continuations for a batch of prompts.
 
@@ -266,7 +272,7 @@ def generate(
     for token when greedy, in distribution when sampling.
     attention_window=True lets each step's attention read only the part of the KV cache the rows fill
     (a power-of-two window; one compile per window): faster for long generations, the same tokens up
-    to float rounding.
+    to float rounding. cache_len: a minimum KV cache length (see `Engine.generate`).
     """
     if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
         prompts = [prompts]
@@ -286,4 +292,5 @@ def generate(
         tree = TreeConfig.parse(tree)
     return engine_for(target, draft).generate(ids, max_new_tokens=max_new_tokens, params=params, tree=tree,
                                               stop=stop, on_token=on_token, ignore_eos=ignore_eos,
-                                              max_steps=max_steps, attention_window=attention_window)
+                                              max_steps=max_steps, attention_window=attention_window,
+                                              cache_len=cache_len)

@@ -88,6 +88,18 @@ def test_compiles_once_per_bucket(tiny):
     assert after_new_bucket["prefill"] - before["prefill"] <= 1
 
 
+def test_a_minimum_cache_length_shares_one_set_of_shapes_and_changes_no_token(tiny):
+    short, long = [[5, 6]], [[7] * 40]
+    small = eagle_jax.generate(tiny, short, max_new_tokens=20)
+    assert small.stats["buckets"]["cache"] == 128
+    wide = eagle_jax.generate(tiny, short, max_new_tokens=20, cache_len=300)
+    assert wide.stats["buckets"]["cache"] == 512 and wide.token_ids == small.token_ids
+    before = dict(steps.TRACE_COUNTS)
+    # A longer prompt and answer (a larger bucket on its own) under the same minimum: no new step.
+    eagle_jax.generate(tiny, long, max_new_tokens=200, cache_len=300)
+    assert dict(steps.TRACE_COUNTS)["step"] == before["step"]
+    assert eagle_jax.generate(tiny, long, max_new_tokens=200).stats["buckets"]["cache"] == 256
+
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_attention_window_decodes_the_same_tokens_and_compiles_once_per_window(tiny, temperature):

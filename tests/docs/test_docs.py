@@ -159,6 +159,8 @@ def test_bench_command_with_the_shipped_head(tmp_path, monkeypatch):
     rows = {(r["dataset"], r["tree"]): r for r in report["results"]}
     assert set(rows) == {(d, t) for d in ("mt_bench", "humaneval") for t in report["trees"]}
     assert "auto" in report["trees"] and len(report["trees"]) == 2  # a fixed tree and the harness
+    assert len({r["cache_len"] for r in rows.values()}) == 1  # one set of shapes for both datasets
+    assert len(list((tmp_path / "harness").glob("*.json"))) == 1  # so one cost profile
     for r in rows.values():
         assert r["prompts"] == 1 and r["batch_size"] == 1 and r["temperature"] == 0
         assert r["greedy_identical"] is True and r["tau"] >= 1.0 and sum(r["accept_histogram"]) > 0
@@ -176,10 +178,10 @@ def test_train_demo_command(tmp_path):
 
 @pytest.mark.slow
 def test_shipped_head_recipe_commands_run_from_the_committed_data(tmp_path):
-    """Both stages, one step each on the first 64 committed answers (no answers to generate)."""
+    """Both stages, one step each on the first 16 committed answers (no answers to generate)."""
     stage1, stage2 = [c.strip() for c in doc_command("python -m eagle_jax.train --recipe train/smollm2-135m-instruct-eagle3.toml &&").split("&&")]
-    run(stage1, "--steps", "1", "--limit", "64", "--out-dir", str(tmp_path / "s1"))
-    out = run(stage2, "--steps", "1", "--limit", "64", "--out-dir", str(tmp_path / "s2"),
+    run(stage1, "--steps", "1", "--limit", "16", "--out-dir", str(tmp_path / "s1"))
+    out = run(stage2, "--steps", "1", "--limit", "16", "--out-dir", str(tmp_path / "s2"),
               "--init-from", str(tmp_path / "s1" / "head"), "--json")
     assert "[head] initialised from" in out.stdout
     assert not [line for line in out.stdout.splitlines() if line.startswith("[data] +")]  # nothing regenerated
