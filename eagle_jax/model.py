@@ -12,6 +12,7 @@ Run it functionally: `graphdef, state = nnx.split(model)` once, then inside jit
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import jax
@@ -143,11 +144,17 @@ class Transformer(nnx.Module):
         return KVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim, dtype or self.dtype)
 
 
+@functools.lru_cache(maxsize=8)
+def abstract_model(cfg: ModelConfig, dtype=jnp.float32):
+    """(graphdef, flat abstract state) of a model of this config: shapes and dtypes, nothing allocated.
+    Tracing 30 layers' initialisers takes about a second, so loaders share one per config."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype)))
+    return graphdef, tuple(nnx.to_flat_state(state))
+
+
 def param_shapes(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
     """Flat parameter path -> shape, without allocating anything."""
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    _, state = nnx.split(abstract)
-    return {tuple(str(k) for k in path): tuple(v.shape) for path, v in nnx.to_flat_state(state)}
+    return {tuple(str(k) for k in path): tuple(v.shape) for path, v in abstract_model(cfg)[1]}
 
 
 def from_arrays(cfg: ModelConfig, arrays: dict[tuple[str, ...], np.ndarray], dtype=jnp.float32,
@@ -156,9 +163,7 @@ def from_arrays(cfg: ModelConfig, arrays: dict[tuple[str, ...], np.ndarray], dty
 
     Shapes must already be checked by the caller (the loader does, with file and tensor names).
     """
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype))
-    graphdef, state = nnx.split(abstract)
-    flat = nnx.to_flat_state(state)
+    graphdef, flat = abstract_model(cfg, dtype)
     leaves = []
     for path, var in flat:
         key = tuple(str(k) for k in path)
