@@ -198,8 +198,6 @@ def write_llama_gguf(model, path, *, vocab_size_key: bool = True) -> None:
     w.close()
 
 
-
-
 def memory_maps() -> tuple[int, int] | None:
     """(memory mappings this process holds, the kernel's per-process limit), or None off Linux."""
     try:
