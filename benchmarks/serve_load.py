@@ -264,9 +264,11 @@ def main(argv=None):
         args.concurrency, args.max_tokens, args.max_model_len, args.max_batch = [1, 2], 8, 128, 2
         args.requests = args.requests or 2
         args.fixed_tree = "3,1,4"
-        # A compilation cache shared by the three servers: shapes compiled by one are loaded by the next.
+        # A compilation cache shared by the three servers (shapes compiled by one are loaded by the next):
+        # the caller's JAX_COMPILATION_CACHE_DIR when it has one (the test suite's), else a temporary one.
+        cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(Path(tmp.name) / "xla")
         args.server_arg = ["--candidates", "off", "3,1,4", "--profile-reps", "2", "--no-warmup",
-                           "--compile-cache", str(Path(tmp.name) / "xla"),
+                           "--compile-cache", cache,
                            "--profile-dir", str(Path(tmp.name) / "profiles")] + args.server_arg
     prompts = PROMPTS
     if args.dataset:

@@ -60,6 +60,12 @@ def shipped_head(smollm2):
 
 
 @pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory) -> str:
+    """Directory of a tiny random Llama with a character tokenizer and chat template (for CLI tests)."""
+    return str(builders.write_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat") / "tiny-chat"))
+
+
+@pytest.fixture(scope="session")
 def xla_cache() -> str:
     """The compilation cache directory this run shares; pass it to servers as --compile-cache."""
     return XLA_CACHE

@@ -37,12 +37,14 @@ def test_errors_are_clear(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_reports_every_combination_and_checks_greedy_identity(tmp_path):
+def test_bench_reports_every_combination_and_checks_greedy_identity(tmp_path, tiny_chat_model):
+    """On a tiny random chat model with an untrained head: the combinations, the report and the plot are
+    the point (the README's bench command on the real target is test_docs.py's)."""
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "Name a fruit."}\n{"prompt": "Say hi."}\n{"prompt": "Count to three."}\n')
     out_json = tmp_path / "bench.json"
     # Two fixed trees; the real-model `--tree auto` run is the README bench command's test (test_docs.py).
-    out = _run("--dataset", str(f), "--max-new-tokens", "8", "--batch-size", "1", "2", "--temperature", "0", "0.8",
+    out = _run("--model", tiny_chat_model, "--draft", "random", "--dataset", str(f), "--max-new-tokens", "8", "--batch-size", "1", "2", "--temperature", "0", "0.8",
                "--tree", "2,2,4", "3,1,3", "--json", str(out_json), "--plot", str(tmp_path / "b.png"))
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out_json.read_text())

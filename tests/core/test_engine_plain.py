@@ -5,6 +5,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import eagle_jax
 from eagle_jax import engine, steps
@@ -34,12 +35,15 @@ def test_batched_sampling_equals_one_by_one_with_the_same_row_seed(tiny):
 
 def test_greedy_matches_a_manual_full_recompute_loop(tiny):
     # Reference: no KV cache reuse; re-run the whole sequence each step and take the argmax.
+    # The sequence is right-padded to one length so the reference compiles once (attention is causal:
+    # padding after the last token cannot change its logits).
     prompt = PROMPTS[1]
     seq = list(prompt)
+    width = len(prompt) + 8
+    forward = nnx.jit(lambda model, tokens: model(tokens, model.init_cache(1, 64)).logits[0])
     for _ in range(8):
-        cache = tiny.model.init_cache(1, 64)
-        logits = tiny.model(jnp.asarray([seq], jnp.int32), cache).logits[0, -1]
-        seq.append(int(jnp.argmax(logits)))
+        tokens = jnp.asarray([seq + [0] * (width - len(seq))], jnp.int32)
+        seq.append(int(jnp.argmax(forward(tiny.model, tokens)[len(seq) - 1])))
     got = eagle_jax.generate(tiny, [prompt], max_new_tokens=8).token_ids[0]
     assert got == seq[len(prompt):]
 

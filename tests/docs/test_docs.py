@@ -146,6 +146,7 @@ def test_generate_commands(smollm2):
     out = json.loads(run(cmd, "--max-new-tokens", "16").stdout)
     want = eagle_jax.generate(smollm2, "Write a haiku about JAX.", max_new_tokens=16)
     assert out["token_ids"] == want.token_ids and out["stats"]["tau"] >= 1.0
+    assert out["model"] == "smollm2-135m-instruct" and out["texts"] == want.texts
 
 
 @pytest.mark.slow

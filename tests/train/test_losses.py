@@ -1,10 +1,12 @@
 """Training objectives: the training-time-test unroll computes exactly what drafting computes."""
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from eagle_jax.draft import random_head
 from eagle_jax.train import losses
@@ -53,18 +55,22 @@ def test_training_time_test_unroll_matches_inference_drafting(pair):
     outs = _ttt_outputs(head, tgt, tokens, aux, steps=4)
     for i in (5, 9, 12):
         for j in range(4):
-            # Inference: draft the real pairs 0..i-j, then a chain of j draft steps on its own outputs.
-            start = i - j
-            cache = head.init_cache(1, 32)
-            h, cache = head(tgt.model, aux[:, : start + 1], tokens[:, 1: start + 2], cache, fuse=True)
-            cache = cache.replace(lengths=jnp.asarray([start + 1], jnp.int32))
-            cur = h[:, -1:]
-            for s in range(1, j + 1):
-                p = start + s
-                cur, cache = head(tgt.model, cur, tokens[:, p + 1: p + 2], cache, fuse=False,
-                                  positions=jnp.asarray([[p]]), tree_mask=jnp.ones((1, 1, s), bool),
-                                  write_offset=s - 1)
-            np.testing.assert_allclose(np.asarray(cur[0, 0]), np.asarray(outs[j][0, i]), rtol=2e-5, atol=2e-5)
+            np.testing.assert_allclose(np.asarray(_draft_chain(head, tgt.model, aux, tokens, i - j, j)),
+                                       np.asarray(outs[j][0, i]), rtol=2e-5, atol=2e-5)
+
+
+@functools.partial(nnx.jit, static_argnames=("start", "j"))
+def _draft_chain(head, model, aux, tokens, start, j):
+    """Inference: draft the real pairs 0..start, then a chain of j draft steps on its own outputs."""
+    cache = head.init_cache(1, 32)
+    h, cache = head(model, aux[:, : start + 1], tokens[:, 1: start + 2], cache, fuse=True)
+    cache = cache.replace(lengths=jnp.asarray([start + 1], jnp.int32))
+    cur = h[:, -1:]
+    for s in range(1, j + 1):
+        p = start + s
+        cur, cache = head(model, cur, tokens[:, p + 1: p + 2], cache, fuse=False, positions=jnp.asarray([[p]]),
+                          tree_mask=jnp.ones((1, 1, s), bool), write_offset=s - 1)
+    return cur[0, 0]
 
 
 def test_eagle3_loss_steps_and_gradients(pair):
