@@ -44,8 +44,9 @@ def test_bench_reports_every_combination_and_checks_greedy_identity(tmp_path, ti
     f.write_text('{"prompt": "Name a fruit."}\n{"prompt": "Say hi."}\n{"prompt": "Count to three."}\n')
     out_json = tmp_path / "bench.json"
     # Two fixed trees; the real-model `--tree auto` run is the README bench command's test (test_docs.py).
-    out = _run("--model", tiny_chat_model, "--draft", "random", "--dataset", str(f), "--max-new-tokens", "8", "--batch-size", "1", "2", "--temperature", "0", "0.8",
-               "--tree", "2,2,4", "3,1,3", "--json", str(out_json), "--plot", str(tmp_path / "b.png"))
+    out = _run("--model", tiny_chat_model, "--draft", "random", "--dataset", str(f), "--max-new-tokens", "8",
+               "--batch-size", "1", "2", "--temperature", "0", "0.8", "--tree", "2,2,4", "3,1,3",
+               "--json", str(out_json), "--plot", str(tmp_path / "b.png"))
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out_json.read_text())
     assert report["trees"] == ["2,2,4", "3,1,3"]
