@@ -99,8 +99,11 @@ def accept_sampled(tree: Tree, target_logits, params: SamplingParams, root_posit
     done = jnp.zeros((b,), bool)
     count = jnp.ones((b,), jnp.int32)
     path = [cur]
+    # The keys of positions root + 1 .. root + depth + 1 and each level's uniforms, drawn at once (one
+    # hash in the compiled step instead of one per level; the same numbers either way).
+    keys = row_keys(params.seed, root_positions[:, None] + 1 + jnp.arange(depth + 1))  # [B, D+1, 2]
+    uniforms = jax.vmap(jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), (n,))))(keys)
     for level in range(depth + 1):
-        key = row_keys(params.seed, root_positions + level + 1)  # token at position root + level + 1
         p = p_all[rows, cur]  # [B, V]
         kids = child_of[rows, cur]  # [B, N]
         p_kid = jnp.where(kids, jnp.take_along_axis(p, tree.tokens, axis=1), 0.0)  # [B, N]
@@ -110,8 +113,7 @@ def accept_sampled(tree: Tree, target_logits, params: SamplingParams, root_posit
             a = jnp.where(denom > 1e-9, p_kid / jnp.maximum(denom, 1e-9), 1.0)
         else:
             a = p_kid
-        u = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), (n,)))(key)
-        hit = kids & (u < a)
+        hit = kids & (uniforms[:, level] < a)  # the token at position root + level + 1
         any_hit = jnp.any(hit, axis=1)
         first = jnp.argmax(hit, axis=1).astype(jnp.int32)  # lowest node index = first in draft order
         advance = ~done & any_hit
@@ -123,7 +125,7 @@ def accept_sampled(tree: Tree, target_logits, params: SamplingParams, root_posit
     # Every row stopped at `cur` (a node at the tree's depth has no children), rejecting its children:
     # the bonus is drawn once, from the residual there (p with those children's tokens zeroed,
     # renormalised), with the key of its position root + count.
-    key = row_keys(params.seed, root_positions + count)
+    key = keys[rows, count - 1]
     p = p_all[rows, cur]
     vocab = p.shape[-1]
     kid_tokens = jnp.where(child_of[rows, cur], tree.tokens, vocab)  # out of range = not a child: dropped

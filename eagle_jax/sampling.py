@@ -54,8 +54,12 @@ def validate(p: SamplingParams) -> None:
 
 
 def row_keys(seed, positions):
-    """One PRNG key per row, derived from its seed and the sequence position being sampled."""
-    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(seed, positions)
+    """The PRNG key of each row's seed [B] at sequence positions [B] (or [B, L]: L positions per row,
+    one hash for all of them, which keeps the compiled program small): [B, 2] (or [B, L, 2])."""
+    key = lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p)
+    if positions.ndim == 2:
+        key = jax.vmap(key, in_axes=(None, 0))
+    return jax.vmap(key)(seed, positions)
 
 
 def _order_key(x):

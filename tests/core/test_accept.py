@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from eagle_jax.accept import accept_sampled, accept, accept_greedy
-from eagle_jax.sampling import SamplingParams, probs
+from eagle_jax.sampling import SamplingParams, probs, row_keys
 from eagle_jax.tree import Tree, ancestor_mask
 
 # Root (node 0) with children 1, 2, 3 (tokens 2, 0, 4); node 1 has children 4, 5 (tokens 1, 3).
@@ -26,6 +26,23 @@ def _logits(batch):
     rng = np.random.default_rng(0)
     node_logits = rng.normal(size=(6, V)).astype(np.float32) * 1.5
     return jnp.asarray(np.tile(node_logits, (batch, 1, 1)))
+
+
+def test_the_keys_of_several_positions_per_row_are_each_positions_own_key():
+    """accept_sampled draws every level's randomness with one call over [B, L] positions: it must be the key
+    fold_in(PRNGKey(seed), position) of each position, whichever other positions share the call."""
+    import jax
+
+    seeds = jnp.asarray([0, 7, 2**32 - 1], jnp.uint32)
+    positions = jnp.asarray([[1, 2, 3, 4], [10, 11, 12, 13], [0, 5, 9, 100]], jnp.int32)
+    grid = np.asarray(row_keys(seeds, positions))
+    assert grid.shape == (3, 4, 2)
+    for j in range(4):
+        np.testing.assert_array_equal(grid[:, j], np.asarray(row_keys(seeds, positions[:, j])))
+    for b in range(3):
+        own = jax.random.fold_in(jax.random.PRNGKey(seeds[b]), positions[b, 2])
+        np.testing.assert_array_equal(grid[b, 2], np.asarray(own))
+    assert len({tuple(k) for k in grid.reshape(-1, 2).tolist()}) == 12  # all distinct
 
 
 def test_greedy_acceptance_follows_the_argmax_path():
