@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 from eagle_jax.datasets import load_dataset
-from eagle_jax.tree import TreeConfig
+from eagle_jax.harness import DEFAULT_CANDIDATES, candidate_trees, default_trees
+from eagle_jax.tree import TreeConfig, parse_tree
 
 
 def tree_label(tree) -> str:
@@ -40,6 +41,15 @@ def tree_arg(text: str):
         return TreeConfig.parse(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def candidate_arg(text: str) -> str:
+    """--candidates: DEPTH,TOPK,TOKENS or off, checked as the argument is read."""
+    try:
+        parse_tree(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def build_parser():
@@ -59,6 +69,9 @@ def build_parser():
                    help="one or more of DEPTH,TOPK,TOKENS or auto (the load-aware harness picks a tree or plain "
                         "decoding each step from costs measured on this device); every tree is timed against the "
                         "same plain runs (default: the engine default tree)")
+    p.add_argument("--candidates", type=candidate_arg, nargs="+", default=None,
+                   help="the trees --tree auto chooses from, as DEPTH,TOPK,TOKENS (plain decoding is always one; "
+                        "default: " + " ".join(c for c in DEFAULT_CANDIDATES if c != "off") + ")")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="results/bench.json", help="output JSON path (default: %(default)s)")
     p.add_argument("--plot", default=None, help="write a PNG of speedup and tau (needs matplotlib)")
@@ -75,24 +88,26 @@ def resolve_draft(spec: str, target):
     return resolve_draft(spec, target)
 
 
-def run_cache_len(target, prompt_sets, max_new_tokens: int, trees) -> int:
+def run_cache_len(target, prompt_sets, max_new_tokens: int, trees, candidates=None) -> int:
     """One KV cache length for a whole run: the longest prompt of any set, its answer and the largest tree's
     slack. Every dataset, batch, plain run and tree then compiles (and the harness profiles) one set of
     shapes per batch size instead of one per cache bucket the batches happen to land in."""
-    from eagle_jax import harness, steps
+    from eagle_jax import steps
     from eagle_jax.engine import encode_prompts
 
-    all_trees = [x for t in trees for x in (harness.default_trees() if t == "auto" else [t])]
+    auto = candidate_trees(candidates) if candidates is not None else default_trees()
+    all_trees = [x for t in trees for x in (auto if t == "auto" else [t])]
     longest = max(len(ids) for prompts in prompt_sets for ids in encode_prompts(target.tokenizer, prompts, True))
     return longest + max_new_tokens + 1 + steps.tree_slack(all_trees)
 
 
 def run_bench(target, draft, prompts, *, batch_size, temperature, max_new_tokens, tree, seed, progress=None,
-              cache_len=None):
+              cache_len=None, candidates=None):
     """Plain vs speculative decoding on `prompts`; `tree` is one tree (returns one result) or a list of
     trees (returns one result per tree, all against the same plain runs). Per batch of prompts the
     plain run and each tree's run follow each other, so machine noise hits all of them alike.
-    cache_len: the KV cache length every run uses (default `run_cache_len` of these prompts)."""
+    cache_len: the KV cache length every run uses (default `run_cache_len` of these prompts).
+    candidates: the trees "auto" chooses from (default `harness.DEFAULT_CANDIDATES`)."""
     import numpy as np
 
     import eagle_jax
@@ -100,13 +115,16 @@ def run_bench(target, draft, prompts, *, batch_size, temperature, max_new_tokens
     trees = list(tree) if isinstance(tree, (list, tuple)) else [tree]
     batches = [prompts[i: i + batch_size] for i in range(0, len(prompts), batch_size)]
     if cache_len is None:
-        cache_len = run_cache_len(target, [prompts], max_new_tokens, trees)
+        cache_len = run_cache_len(target, [prompts], max_new_tokens, trees, candidates)
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, cache_len=cache_len)
+
+    def tree_kw(t):
+        return dict(tree=t, candidates=candidates) if t == "auto" and candidates is not None else dict(tree=t)
     # Warm-up: compile every bucket both engines will use (same shapes as the timed run, 2 steps each).
     for b in batches:
         eagle_jax.generate(target, b, max_steps=2, **kw)
         for t in trees:
-            eagle_jax.generate(target, b, draft=draft, tree=t, max_steps=2, **kw)
+            eagle_jax.generate(target, b, draft=draft, max_steps=2, **tree_kw(t), **kw)
     plain_t, plain_n = 0.0, 0
     acc = [{"t": 0.0, "n": 0, "counts": [], "identical": True, "choices": {}} for _ in trees]
     start = time.perf_counter()
@@ -115,7 +133,7 @@ def run_bench(target, draft, prompts, *, batch_size, temperature, max_new_tokens
         plain_t += p.stats["wall_s"]
         plain_n += p.stats["generated_tokens"]
         for t, a in zip(trees, acc):
-            s = eagle_jax.generate(target, b, draft=draft, tree=t, **kw)
+            s = eagle_jax.generate(target, b, draft=draft, **tree_kw(t), **kw)
             a["t"] += s.stats["wall_s"]
             a["n"] += s.stats["generated_tokens"]
             a["counts"] += s.stats["accepted_per_step"]
@@ -162,6 +180,10 @@ def main(argv=None) -> int:
 
     datasets = args.dataset or ["mt_bench"]
     try:
+        if args.candidates is not None:
+            candidate_trees(args.candidates)  # only "off": no tree to choose
+            if "auto" not in (args.tree or []):
+                raise ValueError("--candidates are the trees --tree auto chooses from: add auto to --tree")
         data = {d: load_dataset(d)[: args.limit] for d in datasets}
         target = eagle_jax.load_target(args.model)
         draft = resolve_draft(args.draft, target)
@@ -175,14 +197,15 @@ def main(argv=None) -> int:
         from tqdm import tqdm
 
         bar = tqdm(total=total, desc="bench", unit="prompt", file=sys.stderr)
-    cache_len = run_cache_len(target, list(data.values()), args.max_new_tokens, trees)
+    cache_len = run_cache_len(target, list(data.values()), args.max_new_tokens, trees, args.candidates)
     results = []
     for name, prompts in data.items():
         for bs in args.batch_size:
             for temp in args.temperature:
                 rs = run_bench(target, draft, prompts, batch_size=bs, temperature=temp,
                                max_new_tokens=args.max_new_tokens, tree=trees, seed=args.seed,
-                               progress=bar.update if bar else None, cache_len=cache_len)
+                               progress=bar.update if bar else None, cache_len=cache_len,
+                               candidates=args.candidates)
                 results += [{"dataset": name, **r} for r in rs]
     if bar:
         bar.close()
@@ -199,6 +222,8 @@ def main(argv=None) -> int:
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "model": args.model, "draft": args.draft,
         "trees": [tree_label(t) for t in trees],
+        "candidates": [t.name for t in (candidate_trees(args.candidates) if args.candidates else default_trees())]
+        if "auto" in trees else None,
         "max_new_tokens": args.max_new_tokens,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
                     "backend": jax.default_backend()},

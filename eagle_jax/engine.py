@@ -71,8 +71,8 @@ class Engine:
         self.target, self.head = target, head
         self.graphdef, self.state = nnx.split(target.model)
         self.head_graphdef, self.head_state = nnx.split(head) if head is not None else (None, None)
-        self._profiles: dict = {}  # (batch, cache length, profile dir) -> cost profile (tree="auto")
-        self.acceptance = None  # (greedy, sampled) AcceptanceStats shared by this engine's tree="auto" calls
+        self._profiles: dict = {}  # (batch, cache length, profile dir, candidates) -> cost profile (tree="auto")
+        self._acceptance: dict = {}  # depth -> (greedy, sampled) AcceptanceStats shared by tree="auto" calls
 
     def run_prefill(self, tokens, prompt_lens, cache_len: int, draft_len: int, params,
                     window: int | None = None) -> steps.DecodeState:
@@ -92,25 +92,28 @@ class Engine:
         """The load-aware harness for this batch bucket and cache length: the cost profile is measured
         once (or read from the disk cache, then every candidate is compiled up front) and acceptance
         statistics carry over from call to call, as in a server."""
-        key = (batch, cache_len, str(profile_dir))
+        key = (batch, cache_len, str(profile_dir), tuple(t.name for t in trees))
         if key not in self._profiles:
             prof = profiles.load_or_measure(self.target, self.head, [batch], [None] + trees, cache_len, draft_len,
                                             cache_dir=profile_dir)
             if prof.source != "measured":  # measuring compiled every candidate; a cached profile did not
                 profiles.compile_candidates(self.target, self.head, batch, [None] + trees, cache_len, draft_len)
             self._profiles[key] = prof
-        if self.acceptance is None:
-            depth = max(t.depth for t in trees)
-            self.acceptance = (harness.AcceptanceStats(depth), harness.AcceptanceStats(depth))
-        return harness.Harness(trees, self._profiles[key], stats=self.acceptance[0], sampled_stats=self.acceptance[1])
+        depth = max(t.depth for t in trees)
+        if depth not in self._acceptance:
+            self._acceptance[depth] = (harness.AcceptanceStats(depth), harness.AcceptanceStats(depth))
+        greedy, sampled = self._acceptance[depth]
+        return harness.Harness(trees, self._profiles[key], stats=greedy, sampled_stats=sampled)
 
     def generate(self, prompt_ids: list[list[int]], *, max_new_tokens: int, params: SamplingParams,
                  tree: TreeConfig | str | None = None, stop: Sequence[str] = (), on_token=None,
                  ignore_eos: bool = False, max_steps: int | None = None, profile_dir=None,
-                 attention_window: bool = False, cache_len: int | None = None) -> GenerationResult:
+                 attention_window: bool = False, cache_len: int | None = None,
+                 candidates: Sequence[TreeConfig] | None = None) -> GenerationResult:
         """tree: None (plain decoding), a TreeConfig (every step drafts that tree; needs a head) or "auto"
-        (every step the harness picks a tree from `harness.DEFAULT_CANDIDATES` or a plain step, from the
-        step costs measured on this device and the acceptance seen so far). max_steps stops after that many
+        (every step the harness picks a tree from `candidates` (default `harness.DEFAULT_CANDIDATES`) or a
+        plain step, from the step costs measured on this device and the acceptance seen so far; fewer
+        candidates measure and compile fewer steps). max_steps stops after that many
         target forwards, the prefill included (benchmark warm-ups: real buckets, little work).
         attention_window: each step's attention reads only a power-of-two window of the cache that holds
         the longest row (`rows.attention_window`; one compile per window), so long generations do not pay
@@ -123,7 +126,10 @@ class Engine:
         if tree is not None and self.head is None:
             raise ValueError("speculative decoding (a tree) needs a draft head")
         auto = tree == "auto"
-        trees = harness.default_trees() if auto else [tree]
+        if candidates is not None and not auto:
+            raise ValueError("candidates are the trees tree='auto' chooses from; pass tree='auto' with them")
+        trees = (harness.candidate_trees(candidates) if candidates is not None else harness.default_trees()) \
+            if auto else [tree]
         slack = steps.tree_slack(trees) if self.head is not None else 0
         draft_len_extra = steps.draft_extra(trees)
         b, t, s_len = batch_shapes(self.target.cfg.max_position, prompt_ids, max_new_tokens, slack)
@@ -256,6 +262,7 @@ def generate(
     max_steps: int | None = None,
     attention_window: bool = False,
     cache_len: int | None = None,
+    candidates=None,
 ) -> GenerationResult:
     """Generates continuations for a batch of prompts.
 
@@ -268,7 +275,8 @@ def generate(
     draft: an EAGLE head (`eagle_jax.load_draft` / `eagle_jax.draft.random_head`) turns on speculative
     decoding with `tree`: a `TreeConfig` or "D,K,N" (default depth 4, top-k 4, 16 tree tokens), or "auto"
     (the load-aware harness picks a tree or plain decoding every step from costs measured on this device,
-    so speculation that does not pay is switched off). The output is the same as without it: token
+    so speculation that does not pay is switched off; `candidates`, a list of trees or "D,K,N" strings, narrows
+    what it chooses from). The output is the same as without it: token
     for token when greedy, in distribution when sampling.
     attention_window=True lets each step's attention read only the part of the KV cache the rows fill
     (a power-of-two window; one compile per window): faster for long generations, the same tokens up
@@ -293,4 +301,4 @@ def generate(
     return engine_for(target, draft).generate(ids, max_new_tokens=max_new_tokens, params=params, tree=tree,
                                               stop=stop, on_token=on_token, ignore_eos=ignore_eos,
                                               max_steps=max_steps, attention_window=attention_window,
-                                              cache_len=cache_len)
+                                              cache_len=cache_len, candidates=candidates)

@@ -14,7 +14,7 @@ import json
 import sys
 import types
 
-from eagle_jax.bench import tree_arg
+from eagle_jax.bench import candidate_arg, tree_arg
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,12 +45,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "picks, every step, a draft tree or plain decoding from step costs measured on this "
                         "device (measured once, cached under ~/.cache/eagle_jax) and the acceptance seen so far, "
                         "so speculation that does not pay is switched off")
+    p.add_argument("--candidates", type=candidate_arg, nargs="+", default=None,
+                   help="the trees --tree auto chooses from, as DEPTH,TOPK,TOKENS (plain decoding is always one; "
+                        "default: the harness's, see python -m eagle_jax.bench --help)")
     p.add_argument("--json", action="store_true", help="print one JSON object (texts, token ids, stats) instead of text")
     return p
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.candidates is not None and args.tree != "auto":
+        print("error: --candidates are the trees --tree auto chooses from: pass --tree auto with them", file=sys.stderr)
+        return 2
     import eagle_jax
     from eagle_jax.engine import generate
 
@@ -87,6 +93,7 @@ def main(argv=None) -> int:
             target, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_p=args.top_p, top_k=args.top_k, seed=args.seed, chat=not args.no_chat, stop=args.stop,
             on_token=on_token if stream else None, draft=draft, tree=tree,
+            candidates=args.candidates if tree == "auto" else None,
         )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

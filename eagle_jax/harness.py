@@ -47,7 +47,17 @@ DEFAULT_CANDIDATES = tuple(dict.fromkeys(["off", "3,1,4", "3,4,8", TreeConfig().
 
 def default_trees() -> list[TreeConfig]:
     """The trees among DEFAULT_CANDIDATES."""
-    return [t for t in map(parse_tree, DEFAULT_CANDIDATES) if t is not None]
+    return candidate_trees(DEFAULT_CANDIDATES)
+
+
+def candidate_trees(candidates) -> list[TreeConfig]:
+    """The distinct trees among `candidates` (TreeConfigs or "D,K,N" / "off" strings; a plain step is
+    always a candidate, so "off" adds nothing). At least one tree is needed: the harness compares trees
+    against plain steps."""
+    trees = list(dict.fromkeys(t for t in map(parse_tree, candidates) if t is not None))
+    if not trees:
+        raise ValueError(f"candidates {list(map(str, candidates))} hold no draft tree: name at least one D,K,N")
+    return trees
 
 
 # --- acceptance statistics and the choice --------------------------------------------------------------

@@ -78,12 +78,13 @@ def train_setup(n_prompts=96):
     return tgt, rows
 
 
-def write_profile(directory, tgt, head, b, s_len, extra, seconds):
+def write_profile(directory, tgt, head, b, s_len, extra, seconds, candidates=None):
     """Writes a cost profile where the harness will find it (a synthetic one: the choice it forces is
-    the point, not this machine's numbers). `seconds(tree or None)` gives each candidate's step time."""
+    the point, not this machine's numbers). `seconds(tree or None)` gives each candidate's step time;
+    candidates: the harness's trees (default `harness.DEFAULT_CANDIDATES`)."""
     from eagle_jax import harness
 
-    cands = [None] + [t for t in map(parse_tree, harness.DEFAULT_CANDIDATES) if t is not None]
+    cands = [None] + (harness.candidate_trees(candidates) if candidates is not None else harness.default_trees())
     names = [tree_name(t) for t in cands]
     key = profiles.profile_key(tgt, head, [b], names, s_len)
     prof = profiles.Profile(key, {b: {n: seconds(parse_tree(n)) for n in names}}, meta={})

@@ -34,6 +34,10 @@ def test_errors_are_clear(tmp_path):
     assert out.returncode == 2 and "none.jsonl" in out.stderr and "Traceback" not in out.stderr
     out = _run("--tree", "2,2,50")
     assert out.returncode == 2 and "tree_tokens" in out.stderr
+    out = _run("--tree", "3,4,8", "--candidates", "2,2,4")
+    assert out.returncode == 2 and "--candidates" in out.stderr and "--tree auto" in out.stderr
+    out = _run("--tree", "auto", "--candidates", "off")
+    assert out.returncode == 2 and "no draft tree" in out.stderr
 
 
 @pytest.mark.slow
@@ -78,14 +82,18 @@ def test_run_bench_with_the_auto_tree_reports_the_harness_choices(tmp_path, monk
 
     # A cost profile where every tree is cheap (measuring one is test_engine_spec's job), in the cache
     # directory the bench's engine reads: the harness speculates, and each step's choice is counted.
+    # Two candidates instead of the default ones: the same harness, fewer steps to compile.
     monkeypatch.setenv("EAGLE_JAX_CACHE", str(tmp_path))
-    trees = harness.default_trees()
+    candidates = ["3,1,4", "3,4,8"]
+    trees = harness.candidate_trees(candidates)
     (tmp_path / "harness").mkdir()
     for prompt in PROMPTS[:2]:
         _, _, s_len = batch_shapes(tgt.cfg.max_position, [prompt], 12, slack=steps.tree_slack(trees))
-        _profile(tmp_path / "harness", tgt, head, 1, s_len, None, lambda t: 0.01)
+        _profile(tmp_path / "harness", tgt, head, 1, s_len, None, lambda t: 0.01, candidates)
     monkeypatch.setattr(engine, "encode_prompts", lambda tok, prompts, chat: [list(p) for p in prompts])
-    r = run_bench(tgt, head, PROMPTS[:2], batch_size=1, temperature=0.0, max_new_tokens=12, tree="auto", seed=0)
-    assert r["greedy_identical"] is True and sum(r["choices"].values()) > 0 and "off" not in r["choices"]
+    r = run_bench(tgt, head, PROMPTS[:2], batch_size=1, temperature=0.0, max_new_tokens=12, tree="auto", seed=0,
+                  candidates=candidates)
+    assert r["greedy_identical"] is True and sum(r["choices"].values()) > 0
+    assert set(r["choices"]) <= set(candidates)  # trees only: a plain step costs as much as a tree here
     assert sum(r["accept_histogram"]) == sum(r["choices"].values())  # batch 1: one count per chosen step
     assert r["tau"] > 2  # the oracle head's drafts are accepted

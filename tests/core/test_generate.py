@@ -19,7 +19,7 @@ def test_help_documents_every_flag():
     out = _run("--help")
     assert out.returncode == 0
     for flag in ("--model", "--prompt", "--max-new-tokens", "--temperature", "--top-p", "--top-k", "--seed",
-                 "--stop", "--no-chat", "--json", "--draft", "--tree"):
+                 "--stop", "--no-chat", "--json", "--draft", "--tree", "--candidates"):
         assert flag in out.stdout
     assert "RuntimeWarning" not in out.stderr
 
@@ -66,14 +66,16 @@ def test_random_draft_from_the_cli_keeps_the_greedy_text(tmp_path, tiny_chat_mod
     spec = json.loads(out.stdout)
     assert spec["token_ids"] == plain.token_ids and spec["texts"] == plain.texts
     assert sum(spec["stats"]["accept_histogram"]) == len(spec["stats"]["accepted_per_step"])
-    # --tree auto: the harness measures this device's step costs (into EAGLE_JAX_CACHE) and picks per step.
+    # --tree auto: the harness measures this device's step costs (into EAGLE_JAX_CACHE) and picks per step,
+    # here between plain steps and the tree above (--candidates; the default ones are the engine tests').
     env = {**os.environ, "EAGLE_JAX_CACHE": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-m", "eagle_jax.generate", *args, "--tree", "auto"],
-                         capture_output=True, text=True, timeout=600, env=env)
+    out = subprocess.run([sys.executable, "-m", "eagle_jax.generate", *args, "--tree", "auto", "--candidates",
+                          "3,2,6"], capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr
     auto = json.loads(out.stdout)
     assert auto["token_ids"] == plain.token_ids
     assert auto["stats"]["tree"] == "auto" and auto["stats"]["profile"] == "measured"
+    assert set(auto["stats"]["choices"]) <= {"off", "3,2,6"}
     assert sum(auto["stats"]["choices"].values()) == auto["stats"]["steps"] - 1  # every step after the prefill
     assert list((tmp_path / "harness").glob("*.json"))  # the profile is cached for the next run
 
@@ -83,3 +85,9 @@ def test_bad_tree_flags_are_a_clear_error():
     assert out.returncode == 2 and "tree_tokens" in out.stderr and "Traceback" not in out.stderr
     out = _run("--model", "smollm2-135m-instruct", "--prompt", "hi", "--draft", "random", "--tree", "d2k2n5")
     assert out.returncode == 2 and "DEPTH,TOPK,TOKENS" in out.stderr and "Traceback" not in out.stderr
+    out = _run("--model", "smollm2-135m-instruct", "--prompt", "hi", "--draft", "random", "--tree", "3,4,8",
+               "--candidates", "2,2,4")
+    assert out.returncode == 2 and "--tree auto" in out.stderr and "Traceback" not in out.stderr
+    out = _run("--model", "smollm2-135m-instruct", "--prompt", "hi", "--draft", "random", "--tree", "auto",
+               "--candidates", "2,2,50")
+    assert out.returncode == 2 and "tree_tokens" in out.stderr and "Traceback" not in out.stderr

@@ -154,9 +154,12 @@ def test_bench_command_with_the_shipped_head(tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLE_JAX_CACHE", str(tmp_path))  # --tree auto measures its cost profile here
     cmd = doc_command("python -m eagle_jax.bench")
     assert "--draft" not in cmd  # the documented run uses the default: the shipped head
+    # The harness chooses between plain steps and the documented fixed tree only: two steps to compile and
+    # profile on the real target instead of five (the default candidates are the engine tests' to run).
     run(cmd, "--limit", "1", "--max-new-tokens", "24", "--temperature", "0", "--no-progress",
-        "--json", str(tmp_path / "bench.json"), "--plot", str(tmp_path / "bench.png"))
+        "--candidates", "3,4,8", "--json", str(tmp_path / "bench.json"), "--plot", str(tmp_path / "bench.png"))
     report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["candidates"] == ["3,4,8"]
     rows = {(r["dataset"], r["tree"]): r for r in report["results"]}
     assert set(rows) == {(d, t) for d in ("mt_bench", "humaneval") for t in report["trees"]}
     assert "auto" in report["trees"] and len(report["trees"]) == 2  # a fixed tree and the harness
