@@ -41,14 +41,17 @@ class Acceptance:
 
 
 def accept(tree: Tree, target_logits, params: SamplingParams, root_positions, depth: int,
-           rule: str = "exact") -> Acceptance:
+           rule: str = "exact", sampling: bool = True) -> Acceptance:
     """target_logits [B, N, V] from verifying `tree`; root_positions [B] = sequence position of node 0.
 
     A batch with no sampling row takes `accept_greedy` (the same result without the vocabulary-wide
-    distributions and random draws, which cost a CPU step several milliseconds).
+    distributions and random draws, which cost a CPU step several milliseconds); sampling=False (static)
+    means the caller knows every row is greedy: only `accept_greedy` is in the program.
     `rule="broken"` exists only so tests can show the statistical test rejects a wrong rule: it
     skips the renormalisation after a rejection.
     """
+    if not sampling:
+        return accept_greedy(tree, target_logits, depth)
     return jax.lax.cond(jnp.any(params.temperature > 0),
                         lambda: accept_sampled(tree, target_logits, params, root_positions, depth, rule),
                         lambda: accept_greedy(tree, target_logits, depth))

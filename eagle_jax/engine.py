@@ -72,21 +72,24 @@ class Engine:
         self.graphdef, self.state = nnx.split(target.model)
         self.head_graphdef, self.head_state = nnx.split(head) if head is not None else (None, None)
         self._profiles: dict = {}  # (batch, cache length, profile dir, candidates) -> cost profile (tree="auto")
-        self._acceptance: dict = {}  # depth -> (greedy, sampled) AcceptanceStats shared by tree="auto" calls
+        # Candidates' depth -> (greedy, sampled) AcceptanceStats shared by this engine's tree="auto" calls.
+        self.acceptance: dict[int, tuple] = {}
 
     def run_prefill(self, tokens, prompt_lens, cache_len: int, draft_len: int, params,
-                    window: int | None = None) -> steps.DecodeState:
+                    window: int | None = None, sampling: bool = True) -> steps.DecodeState:
+        """The prefill (see `steps.prefill`); sampling=False compiles the all-greedy program."""
         b = tokens.shape[0]
         dcache = self.head.init_cache(b, draft_len) if self.head is not None else None
         return steps.prefill(self.graphdef, self.state, self.head_graphdef, self.head_state, jnp.asarray(tokens),
                              jnp.asarray(prompt_lens), self.target.model.init_cache(b, cache_len), dcache, params,
-                             window)
+                             window, sampling)
 
     def run_step(self, s: steps.DecodeState, params, active, tree: TreeConfig | None, trace: bool = False,
-                 window: int | None = None):
-        """One step (see `steps.step`); the head rides along with plain steps so its draft can catch up."""
+                 window: int | None = None, sampling: bool = True):
+        """One step (see `steps.step`); the head rides along with plain steps so its draft can catch up.
+        sampling=False compiles the all-greedy program (only for batches whose rows are all greedy)."""
         return steps.step(self.graphdef, self.state, self.head_graphdef, self.head_state, s, params,
-                          jnp.asarray(active), tree, trace, window)
+                          jnp.asarray(active), tree, trace, window, sampling)
 
     def auto_policy(self, batch: int, cache_len: int, draft_len: int, trees, profile_dir=None) -> harness.Harness:
         """The load-aware harness for this batch bucket and cache length: the cost profile is measured
@@ -100,9 +103,9 @@ class Engine:
                 profiles.compile_candidates(self.target, self.head, batch, [None] + trees, cache_len, draft_len)
             self._profiles[key] = prof
         depth = max(t.depth for t in trees)
-        if depth not in self._acceptance:
-            self._acceptance[depth] = (harness.AcceptanceStats(depth), harness.AcceptanceStats(depth))
-        greedy, sampled = self._acceptance[depth]
+        if depth not in self.acceptance:
+            self.acceptance[depth] = (harness.AcceptanceStats(depth), harness.AcceptanceStats(depth))
+        greedy, sampled = self.acceptance[depth]
         return harness.Harness(trees, self._profiles[key], stats=greedy, sampled_stats=sampled)
 
     def generate(self, prompt_ids: list[list[int]], *, max_new_tokens: int, params: SamplingParams,
@@ -140,6 +143,9 @@ class Engine:
         policy = self.auto_policy(b, s_len, s_len + draft_len_extra, trees, profile_dir) if auto else None
         n = len(prompt_ids)
         samples = np.asarray(params.temperature) > 0  # [b]: the harness estimates greedy and sampled rows apart
+        # An all-greedy call compiles steps without the sampling paths (about half the compile time); the
+        # harness's steps serve any mix of rows, as measured and compiled by its profile.
+        sampling = auto or bool(samples.any())
         eos = () if ignore_eos else self.target.eos_token_ids
         rows = [TokenStream(self.target.tokenizer, max_tokens=max_new_tokens, eos_ids=eos, stop=stop)
                 for _ in range(n)]
@@ -154,7 +160,7 @@ class Engine:
         start = time.perf_counter()
         lens = np.asarray(prompt_lens).copy()  # committed cache length per row, as of the steps read so far
         st = self.run_prefill(tokens, prompt_lens, s_len, s_len + draft_len_extra, params,
-                              window_bucket(t, s_len) if attention_window else None)
+                              window_bucket(t, s_len) if attention_window else None, sampling)
         root = np.asarray(st.root)
         first_token_s = time.perf_counter() - start
         for r in range(n):
@@ -182,7 +188,7 @@ class Engine:
                 ahead = lens + sum(np.where(p[3], 1 + (p[2].depth if p[2] is not None else 0), 0) for p in pending)
                 n_new = step_tree.tree_tokens if step_tree is not None else 1
                 window = window_bucket(int(ahead[rows_in].max(initial=0)) + n_new, s_len)
-            st, emitted, count = self.run_step(st, params, rows_in, step_tree, window=window)
+            st, emitted, count = self.run_step(st, params, rows_in, step_tree, window=window, sampling=sampling)
             dispatched += 1
             pending.append((emitted, count, step_tree, rows_in))
 

@@ -120,7 +120,8 @@ def stepper(target, head, candidates, batch: int, cache_len: int, draft_len: int
         s = s.replace(cache=s.cache.replace(lengths=jnp.full((batch,), context, jnp.int32)),
                       draft_cache=s.draft_cache.replace(lengths=jnp.full((batch,), context, jnp.int32)),
                       lag_n=jnp.zeros((batch,), jnp.int32))
-        s, _, count = steps.step(g, st, hg, hs, s, kinds[sampled], active, tree, False, None)  # as Engine.run_step
+        # As Engine.run_step calls it (the same arguments, positionally: the same compiled program).
+        s, _, count = steps.step(g, st, hg, hs, s, kinds[sampled], active, tree, False, None, True)
         count.block_until_ready()
         return s
 

@@ -127,9 +127,12 @@ def filter_logits(logits, params: SamplingParams):
     return jax.lax.cond(needed, truncate, lambda x: x, scaled)
 
 
-def sample(logits, params: SamplingParams, positions):
-    """Next token per row from logits [B, V]; greedy rows take the argmax."""
+def sample(logits, params: SamplingParams, positions, sampling: bool = True):
+    """Next token per row from logits [B, V]; greedy rows take the argmax. sampling=False (static): the
+    caller knows every row is greedy, and the program holds no sampling path at all."""
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if not sampling:
+        return greedy
 
     def draw(_):
         keys = row_keys(params.seed, positions)

@@ -180,13 +180,14 @@ def draft_tree(target, head, s: DecodeState, tree: TreeConfig) -> Tree:
 
 # --- the jitted steps -------------------------------------------------------------------------------
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "head_graphdef", "window"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "head_graphdef", "window", "sampling"),
                    donate_argnames=("cache", "draft_cache"))
 def prefill(graphdef, state, head_graphdef, head_state, tokens, prompt_lens, cache: KVCache, draft_cache,
-            params: SamplingParams, window: int | None = None) -> DecodeState:
+            params: SamplingParams, window: int | None = None, sampling: bool = True) -> DecodeState:
     """Runs the prompts [B, T] (right-padded; true lengths prompt_lens [B]) and samples the root (token
     one); with a head (head_graphdef not None), then runs the draft over every prompt pair.
-    window (static, >= T): the target's attention reads cache slots [0, window) only."""
+    window (static, >= T): the target's attention reads cache slots [0, window) only.
+    sampling (static): False when every row is greedy (temperature 0): a smaller program, the same tokens."""
     TRACE_COUNTS["prefill"] += 1
     target = nnx.merge(graphdef, state)
     head = None if head_graphdef is None else nnx.merge(head_graphdef, head_state)
@@ -194,7 +195,7 @@ def prefill(graphdef, state, head_graphdef, head_state, tokens, prompt_lens, cac
     cache = cache.replace(lengths=jnp.zeros_like(cache.lengths))
     out = target(tokens, cache, capture_layers=capture_layers(None if head is None else head.cfg),
                  logits_at=prompt_lens - 1, window=window)
-    root = sample(out.logits, params, prompt_lens)
+    root = sample(out.logits, params, prompt_lens, sampling)
     cache = out.cache.replace(lengths=prompt_lens)
     if head is None:
         return DecodeState(cache, root=root, **draft_parts(b))
@@ -209,7 +210,7 @@ def prefill(graphdef, state, head_graphdef, head_state, tokens, prompt_lens, cac
     return DecodeState(cache, root=root, **parts)
 
 
-def plain_step(target, head, s: DecodeState, params: SamplingParams, active, window=None):
+def plain_step(target, head, s: DecodeState, params: SamplingParams, active, window=None, sampling=True):
     """Feeds each row's root, samples the next token, commits one slot.
 
     With a head, the step keeps the target's features of the root and the sampled token as a pair the
@@ -218,7 +219,7 @@ def plain_step(target, head, s: DecodeState, params: SamplingParams, active, win
     length = s.cache.lengths
     out = target(s.root[:, None], s.cache, logits_at=jnp.zeros_like(s.root),
                  capture_layers=capture_layers(None if head is None else head.cfg), window=window)
-    token = sample(out.logits, params, length + 1)
+    token = sample(out.logits, params, length + 1, sampling)
     count = active.astype(jnp.int32)
     new = s.replace(cache=out.cache.replace(lengths=length + count), root=jnp.where(active, token, s.root))
     if head is not None:
@@ -230,7 +231,8 @@ def plain_step(target, head, s: DecodeState, params: SamplingParams, active, win
     return new, token[:, None], count, None
 
 
-def tree_step(target, head, s: DecodeState, params: SamplingParams, active, tree: TreeConfig, window=None):
+def tree_step(target, head, s: DecodeState, params: SamplingParams, active, tree: TreeConfig, window=None,
+              sampling=True):
     """Draft -> verify -> accept -> commit; see the module docstring."""
     # Rows stepped plainly since their last speculative step: their draft consumes those pairs first.
     s = catch_up_if(jnp.any(s.lag_n > 0), target, head, s)
@@ -243,7 +245,7 @@ def tree_step(target, head, s: DecodeState, params: SamplingParams, active, tree
     length = s.cache.lengths
     out = target(t.tokens, s.cache, positions=length[:, None] + t.depths, tree_mask=t.mask,
                  capture_layers=capture_layers(head.cfg), logits_at=None, window=window)
-    acc = accept(t, out.logits, params, length, d, rule=ACCEPT_RULE)
+    acc = accept(t, out.logits, params, length, d, rule=ACCEPT_RULE, sampling=sampling)
     count = jnp.where(active, acc.count, 0)
     cache = gather_rows(out.cache, acc.path, count)
     # Tokens emitted: the accepted drafts below the root, then the bonus.
@@ -266,16 +268,20 @@ def tree_step(target, head, s: DecodeState, params: SamplingParams, active, tree
     return new, nxt, count, info
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "head_graphdef", "tree", "trace", "window"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "head_graphdef", "tree", "trace", "window", "sampling"),
                    donate_argnames=("s",))
 def step(graphdef, state, head_graphdef, head_state, s: DecodeState, params: SamplingParams, active,
-         tree: TreeConfig | None = None, trace: bool = False, window: int | None = None):
+         tree: TreeConfig | None = None, trace: bool = False, window: int | None = None, sampling: bool = True):
     """One decode step for every row: plain (tree None; a head, when given, keeps its pairs to catch up
     on) or speculative (a TreeConfig, which needs the head). Rows with active=False commit nothing
     (their state is unchanged) and report count 0.
 
     window (static): the target's attention reads cache slots [0, window) only; every active row must
     have length + N <= window (N tree tokens, 1 for a plain step). Inactive rows' outputs are dropped.
+
+    sampling (static): False when the caller knows every row is greedy (temperature 0): the program then
+    holds no sampling or sampled-acceptance path (a smaller compile, the same tokens); True serves any
+    mix of rows, and an all-greedy batch skips the sampling work at run time.
 
     Returns (new state, emitted [B, D+1] (D = 0 for a plain step), count [B]); with trace=True also the
     drafted tree and its acceptance (tokens, parents, depths, path, count, bonus) for visualisation.
@@ -286,7 +292,7 @@ def step(graphdef, state, head_graphdef, head_state, s: DecodeState, params: Sam
     if tree is not None:  # (a tree of one token verifies the root alone and refreshes the draft at once)
         if head is None:
             raise ValueError(f"tree {tree.name} needs a draft head")
-        new, emitted, count, info = tree_step(target, head, s, params, active, tree, window)
+        new, emitted, count, info = tree_step(target, head, s, params, active, tree, window, sampling)
     else:
-        new, emitted, count, info = plain_step(target, head, s, params, active, window)
+        new, emitted, count, info = plain_step(target, head, s, params, active, window, sampling)
     return (new, emitted, count, info) if trace else (new, emitted, count)

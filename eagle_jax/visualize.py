@@ -49,9 +49,10 @@ def trace_step(target, head, prompt, tree: TreeConfig = TreeConfig(), temperatur
     b, t, s_len = batch_shapes(target.cfg.max_position, ids, 1, slack=tree_slack([tree]))
     tokens, lens = pad_prompts(ids, b, t)
     params = SamplingParams.make(1, temperature, 0, 1.0, seed).pad_to(b)
-    s = eng.run_prefill(tokens, lens, s_len, s_len + draft_extra([tree]), params)
+    sampling = temperature > 0  # as `generate` compiles it
+    s = eng.run_prefill(tokens, lens, s_len, s_len + draft_extra([tree]), params, sampling=sampling)
     active = np.arange(b) < 1
-    _, _, _, info = eng.run_step(s, params, active, tree, trace=True)
+    _, _, _, info = eng.run_step(s, params, active, tree, trace=True, sampling=sampling)
     info = jax.device_get(info)
     return StepTrace(tokens=info["tokens"][0], parents=info["parents"][0], depths=info["depths"][0],
                      path=info["path"][0, : int(info["count"][0])], bonus=int(info["bonus"][0]), tree=tree)

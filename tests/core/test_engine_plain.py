@@ -80,10 +80,14 @@ def test_eos_stops_a_row_and_keeps_the_eos_token(tiny):
 
 
 def test_compiles_once_per_bucket(tiny):
+    # An all-greedy batch and a sampling one (its steps have the sampling paths): one program each.
     eagle_jax.generate(tiny, [[1, 2, 3], [4, 5]], max_new_tokens=5)
+    eagle_jax.generate(tiny, [[1, 2, 3], [4, 5]], max_new_tokens=5, temperature=1.0)
     before = dict(steps.TRACE_COUNTS)
     # Different prompts, lengths and sampling settings inside the same buckets: no new traces.
     eagle_jax.generate(tiny, [[9, 8, 7, 6], [1]], max_new_tokens=7, temperature=0.7, top_k=5, seed=2)
+    eagle_jax.generate(tiny, [[9, 8, 7, 6], [1]], max_new_tokens=7)
+    assert dict(steps.TRACE_COUNTS) == before
     eagle_jax.generate(tiny, [[2, 2]], max_new_tokens=9)  # batch bucket 1: new shapes
     after_new_bucket = dict(steps.TRACE_COUNTS)
     eagle_jax.generate(tiny, [[3, 3, 3]], max_new_tokens=9)

@@ -69,11 +69,11 @@ def test_every_windowed_step_holds_its_rows_and_their_tree(oracle, tree, monkeyp
     eng = engine.Engine(tgt, head)
     run_step, seen = eng.run_step, []
 
-    def checked(s, params, active, step_tree, trace=False, window=None):
+    def checked(s, params, active, step_tree, trace=False, window=None, sampling=True):
         lengths = np.asarray(s.cache.lengths)[np.asarray(active)]
         need = int(lengths.max(initial=0)) + (step_tree.tree_tokens if step_tree is not None else 1)
         seen.append((need, window))
-        return run_step(s, params, active, step_tree, trace, window)
+        return run_step(s, params, active, step_tree, trace, window, sampling)
 
     monkeypatch.setattr(eng, "run_step", checked)
     eng.generate([list(p) for p in MORE_PROMPTS], max_new_tokens=140, params=SamplingParams.make(len(MORE_PROMPTS)),
@@ -111,10 +111,17 @@ def test_no_recompilation_across_steps_or_calls(oracle):
     tgt, head = oracle
     tree = TreeConfig(3, 2, 6)
     eagle_jax.generate(tgt, [PROMPTS[0], PROMPTS[3]], draft=head, tree=tree, max_new_tokens=12)
+    greedy = dict(steps.TRACE_COUNTS)
+    # A sampling call compiles the steps with sampling paths, once (an all-greedy call's have none).
+    eagle_jax.generate(tgt, [PROMPTS[3], PROMPTS[0]], draft=head, tree=tree, max_new_tokens=12, temperature=1.0)
     before = dict(steps.TRACE_COUNTS)
-    # Same buckets (batch 2, prompts <= 16 tokens, cache 128), other prompts, lengths and sampling.
+    assert before == {k: greedy.get(k, 0) + 1 for k in ("prefill", "step")} | {
+        k: v for k, v in greedy.items() if k not in ("prefill", "step")}
+    # Same buckets (batch 2, prompts <= 16 tokens, cache 128), other prompts, lengths and sampling settings.
     r = eagle_jax.generate(tgt, [PROMPTS[2], [5] * 9], draft=head, tree=tree, max_new_tokens=20,
-                           temperature=0.8, seed=5)
+                           temperature=0.8, top_k=5, top_p=0.9, seed=5)
+    assert r.stats["steps"] > 3
+    r = eagle_jax.generate(tgt, [PROMPTS[2], [5] * 9], draft=head, tree=tree, max_new_tokens=20)
     assert r.stats["steps"] > 3
     assert dict(steps.TRACE_COUNTS) == before
 
@@ -391,11 +398,11 @@ def test_auto_tree_is_lossless_and_follows_the_costs(tmp_path):
     assert r.token_ids == plain.token_ids
     assert r.stats["tree"] == "auto" and r.stats["choices"].get("off", 0) == 0 and r.stats["tau"] > 2
     # Greedy and sampled rows teach separate statistics (sampled acceptance is much lower in general).
-    greedy, sampled = eng.acceptance
+    (greedy, sampled), = eng.acceptance.values()
     assert sum(greedy.n.values()) > 0 and sum(sampled.n.values()) == 0
     r = eng.generate([PROMPTS[0]], max_new_tokens=24, params=SamplingParams.make(1, temperature=1.0, seed=3),
                      tree="auto", profile_dir=flat)
-    assert len(r.token_ids[0]) == 24 and sum(sampled.n.values()) > 0 and eng.acceptance == (greedy, sampled)
+    assert len(r.token_ids[0]) == 24 and sum(sampled.n.values()) > 0 and eng.acceptance == {6: (greedy, sampled)}
     # Every token verified costs a full step (a slow CPU): plain steps win and are chosen.
     steep = tmp_path / "steep"
     steep.mkdir()
