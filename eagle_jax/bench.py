@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from eagle_jax.datasets import load_dataset
-from eagle_jax.harness import DEFAULT_CANDIDATES, candidate_trees, default_trees
+from eagle_jax.harness import DEFAULT_CANDIDATES, candidate_trees
 from eagle_jax.tree import TreeConfig, parse_tree
 
 
@@ -95,8 +95,7 @@ def run_cache_len(target, prompt_sets, max_new_tokens: int, trees, candidates=No
     from eagle_jax import steps
     from eagle_jax.engine import encode_prompts
 
-    auto = candidate_trees(candidates) if candidates is not None else default_trees()
-    all_trees = [x for t in trees for x in (auto if t == "auto" else [t])]
+    all_trees = [x for t in trees for x in (candidate_trees(candidates) if t == "auto" else [t])]
     longest = max(len(ids) for prompts in prompt_sets for ids in encode_prompts(target.tokenizer, prompts, True))
     return longest + max_new_tokens + 1 + steps.tree_slack(all_trees)
 
@@ -222,8 +221,7 @@ def main(argv=None) -> int:
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "model": args.model, "draft": args.draft,
         "trees": [tree_label(t) for t in trees],
-        "candidates": [t.name for t in (candidate_trees(args.candidates) if args.candidates else default_trees())]
-        if "auto" in trees else None,
+        "candidates": [t.name for t in candidate_trees(args.candidates)] if "auto" in trees else None,
         "max_new_tokens": args.max_new_tokens,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
                     "backend": jax.default_backend()},

@@ -131,8 +131,7 @@ class Engine:
         auto = tree == "auto"
         if candidates is not None and not auto:
             raise ValueError("candidates are the trees tree='auto' chooses from; pass tree='auto' with them")
-        trees = (harness.candidate_trees(candidates) if candidates is not None else harness.default_trees()) \
-            if auto else [tree]
+        trees = harness.candidate_trees(candidates) if auto else [tree]
         slack = steps.tree_slack(trees) if self.head is not None else 0
         draft_len_extra = steps.draft_extra(trees)
         b, t, s_len = batch_shapes(self.target.cfg.max_position, prompt_ids, max_new_tokens, slack)

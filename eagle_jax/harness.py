@@ -50,10 +50,12 @@ def default_trees() -> list[TreeConfig]:
     return candidate_trees(DEFAULT_CANDIDATES)
 
 
-def candidate_trees(candidates) -> list[TreeConfig]:
-    """The distinct trees among `candidates` (TreeConfigs or "D,K,N" / "off" strings; a plain step is
-    always a candidate, so "off" adds nothing). At least one tree is needed: the harness compares trees
-    against plain steps."""
+def candidate_trees(candidates=None) -> list[TreeConfig]:
+    """The distinct trees among `candidates` (TreeConfigs or "D,K,N" / "off" strings; None: DEFAULT_CANDIDATES;
+    a plain step is always a candidate, so "off" adds nothing). At least one tree is needed: the harness
+    compares trees against plain steps."""
+    if candidates is None:
+        candidates = DEFAULT_CANDIDATES
     trees = list(dict.fromkeys(t for t in map(parse_tree, candidates) if t is not None))
     if not trees:
         raise ValueError(f"candidates {list(map(str, candidates))} hold no draft tree: name at least one D,K,N")

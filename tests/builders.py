@@ -84,7 +84,7 @@ def write_profile(directory, tgt, head, b, s_len, extra, seconds, candidates=Non
     candidates: the harness's trees (default `harness.DEFAULT_CANDIDATES`)."""
     from eagle_jax import harness
 
-    cands = [None] + (harness.candidate_trees(candidates) if candidates is not None else harness.default_trees())
+    cands = [None] + harness.candidate_trees(candidates)
     names = [tree_name(t) for t in cands]
     key = profiles.profile_key(tgt, head, [b], names, s_len)
     prof = profiles.Profile(key, {b: {n: seconds(parse_tree(n)) for n in names}}, meta={})
