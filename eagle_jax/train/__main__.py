@@ -122,6 +122,8 @@ def main(argv=None) -> int:
     ap.add_argument("--recipe", required=True, help="TOML recipe (see train/*.toml)")
     ap.add_argument("--steps", type=int, help="override train.steps")
     ap.add_argument("--limit", type=int, help="override data.limit: answer (and train on) only the first N prompts")
+    ap.add_argument("--batch-size", type=int, help="override train.batch_size (conversations per step)")
+    ap.add_argument("--seq-len", type=int, help="override train.seq_len (tokens per conversation, longer ones cut)")
     ap.add_argument("--out-dir", help="override train.out_dir (checkpoints, metrics, the exported head)")
     ap.add_argument("--init-from", help="override head.init_from: continue from this exported head directory")
     ap.add_argument("--distributed", action="store_true",
@@ -197,8 +199,9 @@ def main(argv=None) -> int:
     if init_from is not None:
         print(f"[head] initialised from {init_from}", flush=True)
     tcfg = {k: v for k, v in recipe["train"].items() if k != "out_dir"}
-    if args.steps:
-        tcfg["steps"] = args.steps
+    for name in ("steps", "batch_size", "seq_len"):
+        if getattr(args, name):
+            tcfg[name] = getattr(args, name)
     ocfg = OptimConfig(**tcfg)
     if ocfg.group_by_length:
         from eagle_jax.train.features import group_by_length
@@ -225,8 +228,10 @@ def main(argv=None) -> int:
     hist = trainer.train(train_rows, eval_rows=eval_rows, checkpointer=ckpt, on_log=on_log, features_dir=feat_dir)
     ckpt.wait()
     head_dir = export(trainer, out / "head", dtype=h.get("export_dtype", "float32"))
-    summary = {"steps": trainer.step, "head": str(head_dir), "final": hist[-1] if hist else None,
-               "eval_acc": trainer.evaluate(eval_rows)}
+    # The last step of this run evaluated already; a rerun of a finished run (no steps) evaluates here.
+    final = hist[-1] if hist else None
+    eval_acc = final["eval_acc"] if final and "eval_acc" in final else trainer.evaluate(eval_rows)
+    summary = {"steps": trainer.step, "head": str(head_dir), "final": final, "eval_acc": eval_acc}
     print(f"[export] {head_dir}", flush=True)
     if args.json:
         print(json.dumps(summary))

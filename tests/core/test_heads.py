@@ -52,16 +52,19 @@ def plain_ids(target, regression_prompts):
 # tau is deterministic at temperature 0 (the numbers are the same on every run of the same build).
 # The shipped head (470 stage-1 and 2500 stage-2 CPU training steps) measured here, greedy, 64 new tokens:
 #   4,4,16 (the engine's default tree):  tau 1.94, histogram [65, 59, 29, 10, 2]
-#   8,16,128 (an accelerator-sized tree): tau 2.61, histogram [30, 21, 47, 18, 4, 1, 1, 0, 0]
+#   8,16,128 (an accelerator-sized tree): tau 2.61, histogram [30, 21, 47, 18, 4, 1, 1, 0, 0]; on the
+#     writing, reasoning and coding prompts alone (what the test runs: 128 verified tokens a step make
+#     each prompt cost this CPU several times a 4,4,16 run) tau 2.47, histogram [21, 14, 31, 9, 1, 0, 1, 0, 0]
 # (128 new tokens: 2.01 and 2.66; 6,10,60: 2.45; 7,10,80: 2.50; 8,10,100: 2.55.) The large tree is the
 # head's acceptance when verify width is nearly free (GPU/TPU); this CPU pays for every verified token, so
 # the bench uses 3,4,8.
-@pytest.mark.parametrize("tree, floor", [((4, 4, 16), 1.88), ((8, 16, 128), 2.5)], ids=["4,4,16", "8,16,128"])
-def test_shipped_head_acceptance_does_not_regress(target, head, regression_prompts, plain_ids, tree, floor):
+@pytest.mark.parametrize("tree, prompts, floor", [((4, 4, 16), (0, 1, 2, 3, 4), 1.88), ((8, 16, 128), (0, 2, 4), 2.4)],
+                         ids=["4,4,16", "8,16,128"])
+def test_shipped_head_acceptance_does_not_regress(target, head, regression_prompts, plain_ids, tree, prompts, floor):
     # One prompt at a time: a batch of 5 pads to 8 rows, and 8 rows x 128 tree tokens per step costs this
     # CPU twice as long as the five batch-1 runs (the accepted lengths are the same either way).
     hist = [0] * (tree[0] + 1)
-    for prompt, ids in zip(regression_prompts, plain_ids):
+    for prompt, ids in [(regression_prompts[i], plain_ids[i]) for i in prompts]:
         spec = eagle_jax.generate(target, [prompt], draft=head, max_new_tokens=NEW_TOKENS, tree=TreeConfig(*tree))
         assert spec.token_ids == [ids]
         hist = [a + b for a, b in zip(hist, spec.stats["accept_histogram"], strict=True)]

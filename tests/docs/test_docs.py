@@ -173,8 +173,11 @@ def test_bench_command_with_the_shipped_head(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_train_demo_command(tmp_path):
+    # Two steps of 2 x 96 tokens: the recipe's 4 x 192 costs the real target four times the CPU per step.
     out = run(doc_command("python -m eagle_jax.train --recipe train/smollm2-135m-cpu-demo.toml"), "--steps", "2",
-              "--limit", "8", "--out-dir", str(tmp_path / "demo"), "--json")
+              "--limit", "8", "--batch-size", "2", "--seq-len", "96", "--out-dir", str(tmp_path / "demo"), "--json")
+    index = json.loads((tmp_path / "s2" / "features" / "index.json").read_text())
+    assert (index["batch_size"], index["seq_len"]) == (2, 128)  # --batch-size and --seq-len override the recipe
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 2 and (tmp_path / "demo" / "head" / "model.safetensors").exists()
     assert len(json.loads((tmp_path / "demo" / "data" / "prompts.json").read_text())) == 48
@@ -182,15 +185,20 @@ def test_train_demo_command(tmp_path):
 
 @pytest.mark.slow
 def test_shipped_head_recipe_commands_run_from_the_committed_data(tmp_path):
-    """Both stages, one step each on the first 16 committed answers (no answers to generate)."""
+    """Both stages, one step each on the first 16 committed answers (no answers to generate), in batches of
+    2 x 128 tokens (the recipes' 8 x 384 costs the real target's features twelve times as much)."""
     stage1, stage2 = [c.strip() for c in doc_command("python -m eagle_jax.train --recipe train/smollm2-135m-instruct-eagle3.toml &&").split("&&")]
-    run(stage1, "--steps", "1", "--limit", "16", "--out-dir", str(tmp_path / "s1"))
-    out = run(stage2, "--steps", "1", "--limit", "16", "--out-dir", str(tmp_path / "s2"),
-              "--init-from", str(tmp_path / "s1" / "head"), "--json")
+    small = ("--steps", "1", "--limit", "16", "--batch-size", "2", "--seq-len", "128")
+    run(stage1, *small, "--out-dir", str(tmp_path / "s1"))
+    out = run(stage2, *small, "--out-dir", str(tmp_path / "s2"), "--init-from", str(tmp_path / "s1" / "head"), "--json")
     assert "[head] initialised from" in out.stdout
     assert not [line for line in out.stdout.splitlines() if line.startswith("[data] +")]  # nothing regenerated
     assert (tmp_path / "s2" / "head" / "model.safetensors").exists()
     assert list((tmp_path / "s2" / "features").glob("batch-*.npz"))  # offline features, on first use
+    index = json.loads((tmp_path / "s2" / "features" / "index.json").read_text())
+    assert (index["batch_size"], index["seq_len"]) == (2, 128)  # --batch-size and --seq-len override the recipe
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 1 and summary["eval_acc"] == summary["final"]["eval_acc"]  # evaluated once
 
 
 def test_tpu_pod_launch_command_runs_the_trainer_on_every_host(tmp_path):
