@@ -30,6 +30,9 @@ DESCRIPTIONS = {
                                                "greedy and sampled rows apart."),
 }
 
+UNLABELLED_COUNTERS = ("eagle_prompt_tokens_total", "eagle_generation_tokens_total", "eagle_prefills_total",
+                       "eagle_prefill_seconds_total", "eagle_harness_explore_total")
+
 
 def _labels(labels: dict) -> str:
     if not labels:
@@ -41,7 +44,9 @@ def _labels(labels: dict) -> str:
 class Metrics:
     def __init__(self):
         self._lock = threading.Lock()
-        self._counters: dict[tuple[str, tuple], float] = {}
+        # Counters without labels are exported from the first scrape on, at 0, so that a rate or a
+        # difference taken against an early scrape never meets a missing series.
+        self._counters: dict[tuple[str, tuple], float] = {(name, ()): 0.0 for name in UNLABELLED_COUNTERS}
 
     def inc(self, name: str, value: float = 1.0, **labels) -> None:
         key = (name, tuple(sorted(labels.items())))

@@ -27,7 +27,7 @@ from eagle_jax.harness import Choice  # noqa: E402
 from eagle_jax.profiles import Profile  # noqa: E402
 from eagle_jax.tree import tree_name  # noqa: E402
 from eagle_jax.serve import ServeConfig, create_app  # noqa: E402
-from eagle_jax.serve.metrics import parse as parse_metrics  # noqa: E402
+from eagle_jax.serve.metrics import Metrics, parse as parse_metrics  # noqa: E402
 from eagle_jax.tree import TreeConfig  # noqa: E402
 from builders import oracle_pair, tiny_target  # noqa: E402
 
@@ -468,3 +468,14 @@ def test_client_disconnect_mid_stream_frees_its_slot(plain_server, monkeypatch):
     conn.close()
     assert _wait_for(freed(2))
     assert plain_server.metrics()["eagle_generation_tokens_total"] - after["eagle_generation_tokens_total"] < 100
+
+
+def test_unlabelled_counters_are_exported_at_zero_before_any_request():
+    fresh = parse_metrics(Metrics().render())
+    for name in ("eagle_prompt_tokens_total", "eagle_generation_tokens_total", "eagle_prefills_total"):
+        assert fresh[name] == 0.0
+    m = Metrics()
+    m.inc("eagle_generation_tokens_total", 7)
+    m.inc("eagle_requests_total", outcome="completed")
+    got = parse_metrics(m.render())
+    assert got["eagle_generation_tokens_total"] == 7.0 and got['eagle_requests_total{outcome="completed"}'] == 1.0
