@@ -71,6 +71,7 @@ class Engine:
         self.target, self.head = target, head
         self.graphdef, self.state = nnx.split(target.model)
         self.head_graphdef, self.head_state = nnx.split(head) if head is not None else (None, None)
+        self.n_params = steps.param_count(self.state, self.head_state)  # small steps compile unoptimised
         self._profiles: dict = {}  # (batch, cache length, profile dir, candidates) -> cost profile (tree="auto")
         # Candidates' depth -> (greedy, sampled) AcceptanceStats shared by this engine's tree="auto" calls.
         self.acceptance: dict[int, tuple] = {}
@@ -82,14 +83,14 @@ class Engine:
         dcache = self.head.init_cache(b, draft_len) if self.head is not None else None
         return steps.prefill(self.graphdef, self.state, self.head_graphdef, self.head_state, jnp.asarray(tokens),
                              jnp.asarray(prompt_lens), self.target.model.init_cache(b, cache_len), dcache, params,
-                             window, sampling)
+                             window, sampling, self.n_params)
 
     def run_step(self, s: steps.DecodeState, params, active, tree: TreeConfig | None, trace: bool = False,
                  window: int | None = None, sampling: bool = True):
         """One step (see `steps.step`); the head rides along with plain steps so its draft can catch up.
         sampling=False compiles the all-greedy program (only for batches whose rows are all greedy)."""
         return steps.step(self.graphdef, self.state, self.head_graphdef, self.head_state, s, params,
-                          jnp.asarray(active), tree, trace, window, sampling)
+                          jnp.asarray(active), tree, trace, window, sampling, self.n_params)
 
     def auto_policy(self, batch: int, cache_len: int, draft_len: int, trees, profile_dir=None) -> harness.Harness:
         """The load-aware harness for this batch bucket and cache length: the cost profile is measured

@@ -114,6 +114,7 @@ def stepper(target, head, candidates, batch: int, cache_len: int, draft_len: int
     kinds = {False: SamplingParams.make(batch), True: SamplingParams.make(batch, 1.0, seed=np.arange(batch))}
     active = jnp.ones((batch,), bool)
     state = steps.empty_state(target, head, batch, cache_len, draft_len)
+    n_params = steps.param_count(st, hs)
 
     def run(s, tree, sampled=False):
         # Back to `context` committed tokens each time (separate arrays: both caches are donated).
@@ -121,7 +122,7 @@ def stepper(target, head, candidates, batch: int, cache_len: int, draft_len: int
                       draft_cache=s.draft_cache.replace(lengths=jnp.full((batch,), context, jnp.int32)),
                       lag_n=jnp.zeros((batch,), jnp.int32))
         # As Engine.run_step calls it (the same arguments, positionally: the same compiled program).
-        s, _, count = steps.step(g, st, hg, hs, s, kinds[sampled], active, tree, False, None, True)
+        s, _, count = steps.step(g, st, hg, hs, s, kinds[sampled], active, tree, False, None, True, n_params)
         count.block_until_ready()
         return s
 

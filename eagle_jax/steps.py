@@ -46,6 +46,36 @@ ACCEPT_RULE = "exact"
 # forward over CATCHUP pairs: about 1/CATCHUP of a draft step per plain step).
 CATCHUP = 16
 
+# XLA:CPU's LLVM optimisation pays for itself only over many steps that do real work. A step of a small
+# model over few rows (parameters x rows under QUICK_COMPILE_WORK: the tiny models of tests, smoke runs
+# and notebooks' quick configurations) compiles about twice as fast without it, and the run time it
+# gives up takes thousands of steps to cost as much. Measured on XLA:CPU, 1-layer model (55k
+# parameters with its head), 3,2,6 tree step, optimised vs not:
+#   2 rows:    compile 4.4 s vs 2.6 s, run 0.3 ms vs 1.4 ms a step  (even after about 1,700 steps)
+#   64 rows:   compile 5.3 s vs 2.4 s, run 4.5 ms vs 11.6 ms        (even after about 400 steps)
+#   1024 rows: compile 5.7 s vs 2.8 s, run 66 ms vs 173 ms          (even after about 30 steps)
+# Real targets (SmolLM2-135M and up) always get the full optimisation; other backends are left as they are.
+QUICK_COMPILE_WORK = 1 << 21
+QUICK_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
+def param_count(*states) -> int:
+    """Parameters in these nnx states (None for no head)."""
+    return sum(x.size for x in jax.tree_util.tree_leaves(states))
+
+
+def quick_compile(n_params: int, batch: int, *values) -> bool:
+    """Whether a step of this size compiles without LLVM optimisation (see QUICK_COMPILE_WORK). Never
+    when one of `values` is traced (the step inlined into a caller's jit, pmap or vmap, whose program
+    decides)."""
+    return (n_params * batch < QUICK_COMPILE_WORK and jax.default_backend() == "cpu"
+            and not any(isinstance(v, jax.core.Tracer) for v in jax.tree_util.tree_leaves(values)))
+
+
+def jit_pair(fn, **jit_kwargs) -> dict[bool, object]:
+    """{quick: jitted fn}: the fully optimised program, and the quick-compile one (see QUICK_COMPILE_WORK)."""
+    return {False: jax.jit(fn, **jit_kwargs), True: jax.jit(fn, compiler_options=QUICK_COMPILE_OPTIONS, **jit_kwargs)}
+
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["cache", "draft_cache", "root", "root_hidden", "lag_feats", "lag_tokens", "lag_n"],
@@ -180,14 +210,22 @@ def draft_tree(target, head, s: DecodeState, tree: TreeConfig) -> Tree:
 
 # --- the jitted steps -------------------------------------------------------------------------------
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "head_graphdef", "window", "sampling"),
-                   donate_argnames=("cache", "draft_cache"))
 def prefill(graphdef, state, head_graphdef, head_state, tokens, prompt_lens, cache: KVCache, draft_cache,
-            params: SamplingParams, window: int | None = None, sampling: bool = True) -> DecodeState:
+            params: SamplingParams, window: int | None = None, sampling: bool = True,
+            n_params: int | None = None) -> DecodeState:
     """Runs the prompts [B, T] (right-padded; true lengths prompt_lens [B]) and samples the root (token
     one); with a head (head_graphdef not None), then runs the draft over every prompt pair.
     window (static, >= T): the target's attention reads cache slots [0, window) only.
-    sampling (static): False when every row is greedy (temperature 0): a smaller program, the same tokens."""
+    sampling (static): False when every row is greedy (temperature 0): a smaller program, the same tokens.
+    cache and draft_cache are donated. n_params: `param_count(state, head_state)`, when the caller knows it."""
+    n = param_count(state, head_state) if n_params is None else n_params
+    fn = _PREFILL[quick_compile(n, tokens.shape[0], tokens, state)]
+    return fn(graphdef, state, head_graphdef, head_state, tokens, prompt_lens, cache, draft_cache, params, window,
+              sampling)
+
+
+def _prefill(graphdef, state, head_graphdef, head_state, tokens, prompt_lens, cache: KVCache, draft_cache,
+             params: SamplingParams, window: int | None = None, sampling: bool = True) -> DecodeState:
     TRACE_COUNTS["prefill"] += 1
     target = nnx.merge(graphdef, state)
     head = None if head_graphdef is None else nnx.merge(head_graphdef, head_state)
@@ -268,10 +306,9 @@ def tree_step(target, head, s: DecodeState, params: SamplingParams, active, tree
     return new, nxt, count, info
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "head_graphdef", "tree", "trace", "window", "sampling"),
-                   donate_argnames=("s",))
 def step(graphdef, state, head_graphdef, head_state, s: DecodeState, params: SamplingParams, active,
-         tree: TreeConfig | None = None, trace: bool = False, window: int | None = None, sampling: bool = True):
+         tree: TreeConfig | None = None, trace: bool = False, window: int | None = None, sampling: bool = True,
+         n_params: int | None = None):
     """One decode step for every row: plain (tree None; a head, when given, keeps its pairs to catch up
     on) or speculative (a TreeConfig, which needs the head). Rows with active=False commit nothing
     (their state is unchanged) and report count 0.
@@ -285,7 +322,16 @@ def step(graphdef, state, head_graphdef, head_state, s: DecodeState, params: Sam
 
     Returns (new state, emitted [B, D+1] (D = 0 for a plain step), count [B]); with trace=True also the
     drafted tree and its acceptance (tokens, parents, depths, path, count, bonus) for visualisation.
+    s is donated. n_params: `param_count(state, head_state)`, when the caller knows it (counting walks
+    over the parameters).
     """
+    n = param_count(state, head_state) if n_params is None else n_params
+    fn = _STEP[quick_compile(n, s.root.shape[0], s.root, state)]
+    return fn(graphdef, state, head_graphdef, head_state, s, params, active, tree, trace, window, sampling)
+
+
+def _step(graphdef, state, head_graphdef, head_state, s: DecodeState, params: SamplingParams, active,
+          tree: TreeConfig | None = None, trace: bool = False, window: int | None = None, sampling: bool = True):
     TRACE_COUNTS["step"] += 1
     target = nnx.merge(graphdef, state)
     head = None if head_graphdef is None else nnx.merge(head_graphdef, head_state)
@@ -296,3 +342,9 @@ def step(graphdef, state, head_graphdef, head_state, s: DecodeState, params: Sam
     else:
         new, emitted, count, info = plain_step(target, head, s, params, active, window, sampling)
     return (new, emitted, count, info) if trace else (new, emitted, count)
+
+
+_PREFILL = jit_pair(_prefill, static_argnames=("graphdef", "head_graphdef", "window", "sampling"),
+                    donate_argnames=("cache", "draft_cache"))
+_STEP = jit_pair(_step, static_argnames=("graphdef", "head_graphdef", "tree", "trace", "window", "sampling"),
+                 donate_argnames=("s",))
