@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax import harness, profiles, steps
+from eagle_jax.compiling import param_count
 from eagle_jax.rows import attention_window as window_bucket
 from eagle_jax.rows import batch_shapes, next_pow2, pad_prompts
 from eagle_jax.sampling import SamplingParams
@@ -71,7 +72,7 @@ class Engine:
         self.target, self.head = target, head
         self.graphdef, self.state = nnx.split(target.model)
         self.head_graphdef, self.head_state = nnx.split(head) if head is not None else (None, None)
-        self.n_params = steps.param_count(self.state, self.head_state)  # small steps compile unoptimised
+        self.n_params = param_count(self.state, self.head_state)  # small steps compile unoptimised
         self._profiles: dict = {}  # (batch, cache length, profile dir, candidates) -> cost profile (tree="auto")
         # Candidates' depth -> (greedy, sampled) AcceptanceStats shared by this engine's tree="auto" calls.
         self.acceptance: dict[int, tuple] = {}

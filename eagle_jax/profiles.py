@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax import steps
+from eagle_jax.compiling import param_count
 from eagle_jax.sampling import SamplingParams
 from eagle_jax.tree import TreeConfig, tree_name
 
@@ -114,7 +115,7 @@ def stepper(target, head, candidates, batch: int, cache_len: int, draft_len: int
     kinds = {False: SamplingParams.make(batch), True: SamplingParams.make(batch, 1.0, seed=np.arange(batch))}
     active = jnp.ones((batch,), bool)
     state = steps.empty_state(target, head, batch, cache_len, draft_len)
-    n_params = steps.param_count(st, hs)
+    n_params = param_count(st, hs)
 
     def run(s, tree, sampled=False):
         # Back to `context` committed tokens each time (separate arrays: both caches are donated).

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle_jax.accept import accept
+from eagle_jax.compiling import jit_pair, param_count, quick
 from eagle_jax.kv_cache import KVCache, gather_rows
 from eagle_jax.sampling import SamplingParams, sample
 from eagle_jax.tree import Tree, TreeConfig, select_tree
@@ -46,35 +47,12 @@ ACCEPT_RULE = "exact"
 # forward over CATCHUP pairs: about 1/CATCHUP of a draft step per plain step).
 CATCHUP = 16
 
-# XLA:CPU's LLVM optimisation pays for itself only over many steps that do real work. A step of a small
-# model over few rows (parameters x rows under QUICK_COMPILE_WORK: the tiny models of tests, smoke runs
-# and notebooks' quick configurations) compiles about twice as fast without it, and the run time it
-# gives up takes thousands of steps to cost as much. Measured on XLA:CPU, 1-layer model (55k
-# parameters with its head), 3,2,6 tree step, optimised vs not:
+# Steps whose parameters x rows are under this compile without LLVM optimisation (`eagle_jax.compiling`).
+# Measured on XLA:CPU, 1-layer model (55k parameters with its head), 3,2,6 tree step, optimised vs not:
 #   2 rows:    compile 4.4 s vs 2.6 s, run 0.3 ms vs 1.4 ms a step  (even after about 1,700 steps)
 #   64 rows:   compile 5.3 s vs 2.4 s, run 4.5 ms vs 11.6 ms        (even after about 400 steps)
 #   1024 rows: compile 5.7 s vs 2.8 s, run 66 ms vs 173 ms          (even after about 30 steps)
-# Real targets (SmolLM2-135M and up) always get the full optimisation; other backends are left as they are.
 QUICK_COMPILE_WORK = 1 << 21
-QUICK_COMPILE_OPTIONS = {"xla_backend_optimization_level": 0}
-
-
-def param_count(*states) -> int:
-    """Parameters in these nnx states (None for no head)."""
-    return sum(x.size for x in jax.tree_util.tree_leaves(states))
-
-
-def quick_compile(n_params: int, batch: int, *values) -> bool:
-    """Whether a step of this size compiles without LLVM optimisation (see QUICK_COMPILE_WORK). Never
-    when one of `values` is traced (the step inlined into a caller's jit, pmap or vmap, whose program
-    decides)."""
-    return (n_params * batch < QUICK_COMPILE_WORK and jax.default_backend() == "cpu"
-            and not any(isinstance(v, jax.core.Tracer) for v in jax.tree_util.tree_leaves(values)))
-
-
-def jit_pair(fn, **jit_kwargs) -> dict[bool, object]:
-    """{quick: jitted fn}: the fully optimised program, and the quick-compile one (see QUICK_COMPILE_WORK)."""
-    return {False: jax.jit(fn, **jit_kwargs), True: jax.jit(fn, compiler_options=QUICK_COMPILE_OPTIONS, **jit_kwargs)}
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -219,7 +197,7 @@ def prefill(graphdef, state, head_graphdef, head_state, tokens, prompt_lens, cac
     sampling (static): False when every row is greedy (temperature 0): a smaller program, the same tokens.
     cache and draft_cache are donated. n_params: `param_count(state, head_state)`, when the caller knows it."""
     n = param_count(state, head_state) if n_params is None else n_params
-    fn = _PREFILL[quick_compile(n, tokens.shape[0], tokens, state)]
+    fn = _PREFILL[quick(n * tokens.shape[0], QUICK_COMPILE_WORK, tokens, state)]
     return fn(graphdef, state, head_graphdef, head_state, tokens, prompt_lens, cache, draft_cache, params, window,
               sampling)
 
@@ -326,7 +304,7 @@ def step(graphdef, state, head_graphdef, head_state, s: DecodeState, params: Sam
     over the parameters).
     """
     n = param_count(state, head_state) if n_params is None else n_params
-    fn = _STEP[quick_compile(n, s.root.shape[0], s.root, state)]
+    fn = _STEP[quick(n * s.root.shape[0], QUICK_COMPILE_WORK, s.root, state)]
     return fn(graphdef, state, head_graphdef, head_state, s, params, active, tree, trace, window, sampling)
 
 

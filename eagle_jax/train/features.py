@@ -13,16 +13,16 @@ reads them back afterwards. Both give bit-identical batches.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 from pathlib import Path
 from typing import Iterator, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from eagle_jax.compiling import jit_pair, param_count, quick
 
 
 @dataclasses.dataclass
@@ -57,7 +57,6 @@ def token_batches(rows: Sequence[tuple[np.ndarray, np.ndarray]], batch_size: int
         yield min(b0 + batch_size, len(rows)), Batch(tok, mask, valid)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "aux_layers"))
 def _features(graphdef, state, tokens, aux_layers):
     target = nnx.merge(graphdef, state)
     b, t = tokens.shape
@@ -67,15 +66,24 @@ def _features(graphdef, state, tokens, aux_layers):
     return out.hidden, aux
 
 
+_FEATURES = jit_pair(_features, static_argnames=("graphdef", "aux_layers"))
+# A feature pass (forward only) of a target whose parameters x batch tokens are under this compiles
+# without LLVM optimisation (`eagle_jax.compiling`).
+QUICK_FEATURES_WORK = 1 << 26
+
+
 class FeatureExtractor:
     """Runs the frozen target over token batches (online mode)."""
 
     def __init__(self, target, aux_layers: Sequence[int] = ()):
         self.graphdef, self.state = nnx.split(target.model)
         self.aux_layers = tuple(aux_layers)
+        self.n_params = param_count(self.state)
 
     def __call__(self, batch: Batch) -> Batch:
-        hidden, aux = _features(self.graphdef, self.state, jnp.asarray(batch.tokens), self.aux_layers)
+        tokens = jnp.asarray(batch.tokens)
+        fast = quick(self.n_params * tokens.size, QUICK_FEATURES_WORK, tokens)
+        hidden, aux = _FEATURES[fast](self.graphdef, self.state, tokens, self.aux_layers)
         return dataclasses.replace(batch, hidden=np.asarray(hidden),
                                    aux=None if aux is None else np.asarray(aux))
 

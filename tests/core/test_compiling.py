@@ -1,0 +1,35 @@
+"""Small programs compile without LLVM optimisation: the choice, and that it changes no token."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import eagle_jax
+from builders import PROMPTS, oracle_pair
+from eagle_jax import compiling, steps
+
+
+def test_quick_only_under_the_limit_on_cpu_and_never_inside_a_trace():
+    assert compiling.quick(10, 100, jnp.ones(3)) is True
+    assert compiling.quick(100, 100) is False
+    seen = []
+
+    @jax.jit
+    def f(x):
+        seen.append(compiling.quick(10, 100, x))
+        return x
+
+    f(jnp.ones(3))
+    assert seen == [False]
+    assert compiling.param_count({"a": jnp.ones((2, 3))}, None, [jnp.ones(4)]) == 10
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_quick_and_optimised_programs_give_the_same_tokens(monkeypatch, temperature):
+    tgt, head = oracle_pair(seed=3)
+    kw = dict(draft=head, tree="3,2,6", max_new_tokens=12, temperature=temperature, seed=7, ignore_eos=True)
+    quick = eagle_jax.generate(tgt, PROMPTS, **kw)
+    monkeypatch.setattr(steps, "QUICK_COMPILE_WORK", 0)  # every step takes the optimised program
+    full = eagle_jax.generate(tgt, PROMPTS, **kw)
+    assert quick.token_ids == full.token_ids
+    assert quick.stats["accept_histogram"] == full.stats["accept_histogram"]
