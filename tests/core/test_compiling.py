@@ -8,6 +8,8 @@ import eagle_jax
 from builders import PROMPTS, oracle_pair
 from eagle_jax import compiling, steps
 
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
 
 def test_quick_only_under_the_limit_on_cpu_and_never_inside_a_trace():
     assert compiling.quick(10, 100, jnp.ones(3)) is True
@@ -29,7 +31,13 @@ def test_quick_and_optimised_programs_give_the_same_tokens(monkeypatch, temperat
     tgt, head = oracle_pair(seed=3)
     kw = dict(draft=head, tree="3,2,6", max_new_tokens=12, temperature=temperature, seed=7, ignore_eos=True)
     quick = eagle_jax.generate(tgt, PROMPTS, **kw)
+    compiles = []
+    listening = [True]
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(event) if listening[0] and event == BACKEND_COMPILE else None)
     monkeypatch.setattr(steps, "QUICK_COMPILE_WORK", 0)  # every step takes the optimised program
     full = eagle_jax.generate(tgt, PROMPTS, **kw)
+    listening[0] = False
+    assert len(compiles) >= 2  # the second run compiled programs of its own (prefill and step at least)
     assert quick.token_ids == full.token_ids
     assert quick.stats["accept_histogram"] == full.stats["accept_histogram"]
