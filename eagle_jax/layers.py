@@ -45,8 +45,13 @@ def causal_mask(t: int):
     return jnp.tril(jnp.ones((t, t), dtype=bool))
 
 
-def param_factories(rngs: nnx.Rngs, dtype):
-    """(random normal(0.02), ones, zeros) parameter constructors taking a shape."""
+def param_factories(rngs: nnx.Rngs | None, dtype):
+    """(random normal(0.02), ones, zeros) parameter constructors taking a shape. rngs=None makes abstract
+    parameters (shapes and dtypes only, nothing traced or allocated): what loaders build and then fill,
+    in milliseconds where `nnx.eval_shape` traces every initialiser (about a second for 30 layers)."""
+    if rngs is None:
+        abstract = lambda *shape: nnx.Param(jax.ShapeDtypeStruct(shape, dtype))
+        return abstract, abstract, abstract
     init = nnx.initializers.normal(0.02)
     return (lambda *shape: nnx.Param(init(rngs.params(), shape, dtype)),
             lambda *shape: nnx.Param(jnp.ones(shape, dtype)),

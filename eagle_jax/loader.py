@@ -222,10 +222,24 @@ _GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3"
 def gguf_reader(path: Path):
     import gguf
 
+    class Reader(gguf.GGUFReader):
+        """`gguf.GGUFReader` over a plain-ndarray view of its memory map. The reader slices `data` once per
+        metadata value (about 250k times for a 49k-token vocabulary); slicing an `np.memmap` builds a
+        memmap object each time, a plain view of the same mapping does not: 0.8 s instead of 2.3 s to open
+        SmolLM2's file, the same fields and tensors, nothing read into memory."""
+
+        @property
+        def data(self):
+            return self._view
+
+        @data.setter
+        def data(self, value):
+            self._view = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
     if not path.exists():
         raise LoadError(f"{path}: file not found")
     try:
-        return gguf.GGUFReader(str(path))
+        return Reader(str(path))
     except Exception as e:  # gguf raises ValueError / IndexError / struct errors on damaged files
         raise LoadError(f"{path}: cannot parse GGUF file (truncated or not a GGUF file): {type(e).__name__}: {e}") from None
 

@@ -37,7 +37,7 @@ class ForwardOutput:
 class Block(nnx.Module):
     """One decoder layer's parameters."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None, dtype=jnp.float32):
         H, F = cfg.hidden_size, cfg.intermediate_size
         qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         w, ones, zeros = param_factories(rngs, dtype)
@@ -71,16 +71,16 @@ class Block(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, dtype=jnp.float32):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs | None, dtype=jnp.float32):
+        """rngs=None builds an abstract model (shapes only; see `layers.param_factories`)."""
         self.cfg = cfg
         self.dtype = dtype
-        self.embed = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (cfg.vocab_size, cfg.hidden_size), dtype))
+        w, ones, _ = param_factories(rngs, dtype)
+        self.embed = w(cfg.vocab_size, cfg.hidden_size)
         self.layers = nnx.List([Block(cfg, rngs=rngs, dtype=dtype) for _ in range(cfg.num_layers)])
-        self.final_norm = nnx.Param(jnp.ones((cfg.hidden_size,), dtype))
+        self.final_norm = ones(cfg.hidden_size)
         if not cfg.tie_embeddings:
-            self.lm_head = nnx.Param(
-                nnx.initializers.normal(0.02)(rngs.params(), (cfg.hidden_size, cfg.vocab_size), dtype)
-            )
+            self.lm_head = w(cfg.hidden_size, cfg.vocab_size)
 
     # --- pieces the speculative engine and draft heads reuse -------------------------------------
     def embed_tokens(self, tokens):
@@ -146,15 +146,15 @@ class Transformer(nnx.Module):
 
 @functools.lru_cache(maxsize=8)
 def abstract_model(cfg: ModelConfig, dtype=jnp.float32):
-    """(graphdef, flat abstract state) of a model of this config: shapes and dtypes, nothing allocated.
-    Tracing 30 layers' initialisers takes about a second, so loaders share one per config."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype)))
+    """(graphdef, flat abstract state) of a model of this config: shapes and dtypes, nothing allocated
+    or traced. Call it with positional arguments only, so equal calls share one cache entry."""
+    graphdef, state = nnx.split(Transformer(cfg, rngs=None, dtype=dtype))
     return graphdef, tuple(nnx.to_flat_state(state))
 
 
 def param_shapes(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
     """Flat parameter path -> shape, without allocating anything."""
-    return {tuple(str(k) for k in path): tuple(v.shape) for path, v in abstract_model(cfg)[1]}
+    return {tuple(str(k) for k in path): tuple(v.shape) for path, v in abstract_model(cfg, jnp.float32)[1]}
 
 
 def from_arrays(cfg: ModelConfig, arrays: dict[tuple[str, ...], np.ndarray], dtype=jnp.float32,

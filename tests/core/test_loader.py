@@ -195,6 +195,39 @@ def test_tiny_gguf_loads(tiny_llama_gguf):
     assert target.name == "tiny-llama"
 
 
+def test_gguf_reader_reads_what_the_stock_reader_reads(tiny_llama_gguf):
+    """The loader's reader (a plain view of the memory map, `loader.gguf_reader`) must see exactly the
+    fields and tensors `gguf.GGUFReader` sees, tokenizer strings included."""
+    import gguf
+
+    _, path = tiny_llama_gguf
+    fast, stock = loader.gguf_reader(path), gguf.GGUFReader(str(path))
+    assert not isinstance(fast.data, np.memmap)
+    assert list(fast.fields) == list(stock.fields) and len(stock.fields) > 10
+    for key, field in stock.fields.items():
+        assert fast.fields[key].contents() == field.contents(), key
+    assert [(t.name, t.tensor_type, list(t.shape)) for t in fast.tensors] == \
+        [(t.name, t.tensor_type, list(t.shape)) for t in stock.tensors]
+    for a, b in zip(fast.tensors, stock.tensors, strict=True):
+        np.testing.assert_array_equal(np.asarray(a.data), np.asarray(b.data))
+
+
+def test_abstract_model_matches_the_traced_model(tiny_llama_gguf):
+    """`model.abstract_model` builds parameters without tracing: same paths, shapes and dtypes as
+    `nnx.eval_shape` of a randomly initialised model."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from eagle_jax.model import Transformer, abstract_model
+
+    cfg = load(tiny_llama_gguf[1]).cfg
+    for dtype in (jnp.float32, jnp.bfloat16):
+        traced = nnx.to_flat_state(nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype)))[1])
+        built = abstract_model(cfg, dtype)[1]
+        assert [(p, v.shape, v.dtype) for p, v in built] == [(p, v.shape, v.dtype) for p, v in traced]
+        assert len(built) > 10
+
+
 @pytest.mark.parametrize("keep", [0.5, 0.999, 0.001])
 def test_truncated_gguf_names_the_file(tiny_llama_gguf, keep):
     _, path = tiny_llama_gguf
