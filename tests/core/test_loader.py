@@ -222,7 +222,8 @@ def test_abstract_model_matches_the_traced_model(tiny_llama_gguf):
 
     cfg = load(tiny_llama_gguf[1]).cfg
     for dtype in (jnp.float32, jnp.bfloat16):
-        traced = nnx.to_flat_state(nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype)))[1])
+        model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype))
+        traced = nnx.to_flat_state(nnx.split(model)[1])
         built = abstract_model(cfg, dtype)[1]
         assert [(p, v.shape, v.dtype) for p, v in built] == [(p, v.shape, v.dtype) for p, v in traced]
         assert len(built) > 10
