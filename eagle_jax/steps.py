@@ -143,47 +143,54 @@ def catch_up_if(pred, target, head, s: DecodeState) -> DecodeState:
 
 
 def draft_tree(target, head, s: DecodeState, tree: TreeConfig) -> Tree:
-    """EAGLE-2 expansion from the root; returns the selected `Tree` (see eagle_jax.tree)."""
+    """EAGLE-2 expansion from the root; returns the selected `Tree` (see eagle_jax.tree).
+
+    The pool of candidates holds the root's top-k (slots [0, k)) and then, for each level 1..D-1, the
+    top-k children of that level's k frontier nodes (k*k slots each). The levels run in a `fori_loop`,
+    so the program holds one draft forward however deep the tree (compile time does not grow with D)."""
     b = s.root.shape[0]
     k, d = tree.topk, tree.depth
     logp = head.logprobs(target, s.root_hidden)  # [B, V_draft]
     top_lp, top_id = jax.lax.top_k(logp, k)
-    pool_tokens = [head.to_target_ids(top_id)]
-    pool_scores = [top_lp]
-    pool_parents = [jnp.full((b, k), -1, jnp.int32)]
-    frontier_slot = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))  # pool slots of the frontier
-    frontier_tok = pool_tokens[0]
-    frontier_score = top_lp
-    frontier_in = jnp.broadcast_to(s.root_hidden[:, None, :], (b, k, s.root_hidden.shape[-1]))
-    scratch = (d - 1) * k
-    anc = jnp.zeros((b, k, max(scratch, 1)), bool)  # frontier nodes' ancestors among scratch slots
-    dcache = s.draft_cache
-    base = k  # next free pool slot
-    for level in range(1, d):  # frontier at depth `level` proposes depth level + 1
-        own = jax.nn.one_hot((level - 1) * k + jnp.arange(k), scratch, dtype=bool)  # [k, scratch]
-        anc = anc | own[None]
-        h, dcache = head(target, frontier_in, frontier_tok, dcache, fuse=False,
+    first_tok = head.to_target_ids(top_id)
+    pool = k + (d - 1) * k * k
+    pad = lambda x, fill: jnp.concatenate([x, jnp.full((b, pool - k), fill, x.dtype)], axis=1)  # noqa: E731
+    scratch = max((d - 1) * k, 1)
+    carry = dict(
+        tokens=pad(first_tok, 0), scores=pad(top_lp, -jnp.inf),
+        parents=jnp.full((b, pool), -1, jnp.int32),
+        slot=jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k)),  # pool slots of the frontier
+        tok=first_tok, score=top_lp,
+        inp=jnp.broadcast_to(s.root_hidden[:, None, :], (b, k, s.root_hidden.shape[-1])),
+        anc=jnp.zeros((b, k, scratch), bool),  # frontier nodes' ancestors among scratch slots
+        dcache=s.draft_cache)
+
+    def level_step(level, c):  # the frontier at depth `level` proposes depth level + 1
+        first = (level - 1) * k
+        own = jnp.arange(scratch)[None, :] == first + jnp.arange(k)[:, None]  # [k, scratch]
+        anc = c["anc"] | own[None]
+        dcache = c["dcache"]
+        h, dcache = head(target, c["inp"], c["tok"], dcache, fuse=False,
                          positions=jnp.broadcast_to(dcache.lengths[:, None] + level - 1, (b, k)),
-                         tree_mask=anc, write_offset=(level - 1) * k)
+                         tree_mask=anc, write_offset=first)
         lp = head.logprobs(target, h)  # [B, k, V_draft]
         c_lp, c_id = jax.lax.top_k(lp, k)  # [B, k, k]
-        c_score = (frontier_score[:, :, None] + c_lp).reshape(b, k * k)
+        c_score = (c["score"][:, :, None] + c_lp).reshape(b, k * k)
         c_tok = head.to_target_ids(c_id).reshape(b, k * k)
-        c_parent = jnp.repeat(frontier_slot, k, axis=1)  # [B, k*k]
-        pool_tokens.append(c_tok)
-        pool_scores.append(c_score)
-        pool_parents.append(c_parent)
-        if level < d - 1:
-            best_score, best = jax.lax.top_k(c_score, k)  # next frontier
-            parent_local = best // k  # index within the current frontier
-            frontier_slot = (base + best).astype(jnp.int32)
-            frontier_tok = jnp.take_along_axis(c_tok, best, axis=1)
-            frontier_score = best_score
-            frontier_in = jnp.take_along_axis(h, parent_local[:, :, None], axis=1)
-            anc = jnp.take_along_axis(anc, parent_local[:, :, None], axis=1)
-        base += k * k
-    return select_tree(s.root, jnp.concatenate(pool_tokens, 1), jnp.concatenate(pool_scores, 1),
-                       jnp.concatenate(pool_parents, 1), tree)
+        c_parent = jnp.repeat(c["slot"], k, axis=1)  # [B, k*k]
+        base = k + first * k  # this level's first pool slot
+        put = lambda pool_x, x: jax.lax.dynamic_update_slice_in_dim(pool_x, x, base, axis=1)  # noqa: E731
+        best_score, best = jax.lax.top_k(c_score, k)  # next frontier (unused after the last level)
+        parent_local = best // k  # index within the current frontier
+        return dict(
+            tokens=put(c["tokens"], c_tok), scores=put(c["scores"], c_score), parents=put(c["parents"], c_parent),
+            slot=(base + best).astype(jnp.int32), tok=jnp.take_along_axis(c_tok, best, axis=1), score=best_score,
+            inp=jnp.take_along_axis(h, parent_local[:, :, None], axis=1),
+            anc=jnp.take_along_axis(anc, parent_local[:, :, None], axis=1), dcache=dcache)
+
+    if d > 1:  # (the body is traced even for an empty loop, and a depth-1 pool has no room for it)
+        carry = jax.lax.fori_loop(1, d, level_step, carry)
+    return select_tree(s.root, carry["tokens"], carry["scores"], carry["parents"], tree)
 
 
 # --- the jitted steps -------------------------------------------------------------------------------

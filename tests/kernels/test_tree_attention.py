@@ -13,6 +13,7 @@ pairwise rather than as a full product.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -27,6 +28,7 @@ from jax import export
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_kernels
+from eagle_jax.compiling import QUICK_OPTIONS
 from eagle_jax.tree import TreeConfig, select_tree
 from pallas_kernels import BlockSizes, tree_attention, tree_attention_reference, use_implementation
 from pallas_kernels.gpu import tree_attention_gpu
@@ -115,8 +117,12 @@ class KernelCases:
         if not self.INTERPRET and backend != name:
             pytest.skip(f"the compiled {name} kernel needs a {name} backend (this is {backend})")
         fn = {"tpu": tree_attention_tpu, "gpu": tree_attention_gpu}[name]
-        return lambda *args, **kw: fn(*args, block_sizes=kw.pop("block_sizes", BLOCKS), interpret=self.INTERPRET,
-                                      **kw)
+        if self.INTERPRET:
+            # Interpreted on CPU the kernel is a loop of small XLA ops: compile it without LLVM optimisation
+            # (the same values, about half the compile time; see eagle_jax.compiling).
+            fast = jax.jit(functools.partial(fn, block_sizes=BLOCKS, interpret=True), compiler_options=QUICK_OPTIONS)
+            return lambda *args: fast(*args)
+        return lambda *args: fn(*args, block_sizes=BLOCKS, interpret=False)
 
     def check(self, out, args, dtype):
         ref = tree_attention_reference(*args)
