@@ -53,24 +53,27 @@ def test_training_time_test_unroll_matches_inference_drafting(pair):
     tokens = jnp.asarray(rng.integers(0, CFG.vocab_size, size=(1, 14)), jnp.int32)
     hidden, aux = _features(tgt, tokens, head.cfg.aux_layers)
     outs = _ttt_outputs(head, tgt, tokens, aux, steps=4)
-    for i in (5, 9, 12):
+    for start in (2, 5, 9):  # TTT step j at position start + j: draft steps after the real pairs up to start
+        chain = np.asarray(_draft_chain(head, tgt.model, aux, tokens, start, 3))
         for j in range(4):
-            np.testing.assert_allclose(np.asarray(_draft_chain(head, tgt.model, aux, tokens, i - j, j)),
-                                       np.asarray(outs[j][0, i]), rtol=2e-5, atol=2e-5)
+            np.testing.assert_allclose(chain[j], np.asarray(outs[j][0, start + j]), rtol=2e-5, atol=2e-5)
 
 
 @functools.partial(nnx.jit, static_argnames=("start", "j"))
 def _draft_chain(head, model, aux, tokens, start, j):
-    """Inference: draft the real pairs 0..start, then a chain of j draft steps on its own outputs."""
+    """Inference: draft the real pairs 0..start, then a chain of j draft steps on its own outputs; returns
+    the head's output after each of the j + 1 drafts [j + 1, H]."""
     cache = head.init_cache(1, 32)
     h, cache = head(model, aux[:, : start + 1], tokens[:, 1: start + 2], cache, fuse=True)
     cache = cache.replace(lengths=jnp.asarray([start + 1], jnp.int32))
     cur = h[:, -1:]
+    chain = [cur[0, 0]]
     for s in range(1, j + 1):
         p = start + s
         cur, cache = head(model, cur, tokens[:, p + 1: p + 2], cache, fuse=False, positions=jnp.asarray([[p]]),
                           tree_mask=jnp.ones((1, 1, s), bool), write_offset=s - 1)
-    return cur[0, 0]
+        chain.append(cur[0, 0])
+    return jnp.stack(chain)
 
 
 def test_eagle3_loss_steps_and_gradients(pair):
