@@ -120,9 +120,8 @@ class KernelCases:
         if self.INTERPRET:
             # Interpreted on CPU the kernel is a loop of small XLA ops: compile it without LLVM optimisation
             # (the same values, about half the compile time; see eagle_jax.compiling).
-            fast = jax.jit(functools.partial(fn, block_sizes=BLOCKS, interpret=True), compiler_options=QUICK_OPTIONS)
-            return lambda *args: fast(*args)
-        return lambda *args: fn(*args, block_sizes=BLOCKS, interpret=False)
+            return jax.jit(functools.partial(fn, block_sizes=BLOCKS, interpret=True), compiler_options=QUICK_OPTIONS)
+        return functools.partial(fn, block_sizes=BLOCKS, interpret=False)
 
     def check(self, out, args, dtype):
         ref = tree_attention_reference(*args)
