@@ -122,6 +122,8 @@ def main(argv=None) -> int:
     ap.add_argument("--recipe", required=True, help="TOML recipe (see train/*.toml)")
     ap.add_argument("--steps", type=int, help="override train.steps")
     ap.add_argument("--limit", type=int, help="override data.limit: answer (and train on) only the first N prompts")
+    ap.add_argument("--max-new-tokens", type=int,
+                    help="override data.max_new_tokens (longest answer the target writes; a new data directory)")
     ap.add_argument("--batch-size", type=int, help="override train.batch_size (conversations per step)")
     ap.add_argument("--seq-len", type=int, help="override train.seq_len (tokens per conversation, longer ones cut)")
     ap.add_argument("--out-dir", help="override train.out_dir (checkpoints, metrics, the exported head)")
@@ -139,6 +141,11 @@ def main(argv=None) -> int:
         return 2
     if args.limit is not None:
         recipe["data"]["limit"] = args.limit
+    if args.max_new_tokens is not None:
+        if args.max_new_tokens < 1:
+            print(f"error: --max-new-tokens must be at least 1, got {args.max_new_tokens}", file=sys.stderr)
+            return 2
+        recipe["data"]["max_new_tokens"] = args.max_new_tokens
     if args.out_dir:
         recipe["train"]["out_dir"] = args.out_dir
     if args.init_from:

@@ -174,11 +174,15 @@ def test_bench_command_with_the_shipped_head(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_train_demo_command(tmp_path):
     # Two steps of 2 x 96 tokens: the recipe's 4 x 192 costs the real target four times the CPU per step.
+    # Answers of at most 24 tokens (the recipe's 96 take the target four times as long to write).
     out = run(doc_command("python -m eagle_jax.train --recipe train/smollm2-135m-cpu-demo.toml"), "--steps", "2",
-              "--limit", "8", "--batch-size", "2", "--seq-len", "96", "--out-dir", str(tmp_path / "demo"), "--json")
+              "--limit", "8", "--batch-size", "2", "--seq-len", "96", "--max-new-tokens", "24",
+              "--out-dir", str(tmp_path / "demo"), "--json")
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 2 and (tmp_path / "demo" / "head" / "model.safetensors").exists()
     assert len(json.loads((tmp_path / "demo" / "data" / "prompts.json").read_text())) == 48
+    manifest = json.loads((tmp_path / "demo" / "data" / "manifest.json").read_text())
+    assert manifest["settings"]["max_new_tokens"] == 24 and manifest["done"] == 8  # the override reached the data
 
 
 @pytest.mark.slow

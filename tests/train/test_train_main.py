@@ -126,6 +126,8 @@ def test_recipe_errors_name_the_problem(tmp_path):
     assert out.returncode == 2 and "learning_rate" in out.stderr and "[train]" in out.stderr
     out = _run(tmp_path / "missing.toml")
     assert out.returncode == 2 and "missing.toml" in out.stderr
+    out = _run(REPO / "train" / "smollm2-135m-cpu-demo.toml", "--max-new-tokens", "0", "--out-dir", str(tmp_path / "o"))
+    assert out.returncode == 2 and "--max-new-tokens" in out.stderr and "got 0" in out.stderr
 
 
 def test_recipe_with_an_eval_prompt_is_refused(tiny_model_dir, tmp_path):
