@@ -142,10 +142,12 @@ def main(argv=None) -> int:
     if args.limit is not None:
         recipe["data"]["limit"] = args.limit
     if args.max_new_tokens is not None:
-        if args.max_new_tokens < 1:
-            print(f"error: --max-new-tokens must be at least 1, got {args.max_new_tokens}", file=sys.stderr)
-            return 2
         recipe["data"]["max_new_tokens"] = args.max_new_tokens
+    n_new = recipe["data"].get("max_new_tokens", 256)  # checked wherever it came from, before the model loads
+    if isinstance(n_new, bool) or not isinstance(n_new, int) or n_new < 1:
+        print(f"error: {args.recipe}: data.max_new_tokens (or --max-new-tokens) must be a whole number of at "
+              f"least 1, got {n_new!r}", file=sys.stderr)
+        return 2
     if args.out_dir:
         recipe["train"]["out_dir"] = args.out_dir
     if args.init_from:
