@@ -140,10 +140,10 @@ def magpie_prompts(target, n: int, seed: int = 0, temperature: float = 1.0, max_
         if saved.get("settings") == ident:
             out, attempt = list(saved["prompts"]), int(saved["attempt"])
     while len(out) < n and attempt < 4 * n:
-        k = min(batch_size, n - len(out))
-        r = generate(target, [prefix] * k, max_new_tokens=max_tokens, temperature=temperature, top_p=0.95,
+        # Always a full batch, even when fewer prompts are missing: one compiled shape for the whole run.
+        r = generate(target, [prefix] * batch_size, max_new_tokens=max_tokens, temperature=temperature, top_p=0.95,
                      seed=seed + attempt, chat=False)
-        attempt += k
+        attempt += batch_size
         for text, reason in zip(r.texts, r.finish_reasons):
             text = text.strip()
             if reason == "stop" and len(text) >= 8:  # ended its turn with a real message

@@ -69,6 +69,7 @@ def test_bench_reports_every_combination_and_checks_greedy_identity(tmp_path, ti
     assert "speedup" in out.stdout and str(out_json) in out.stdout
 
 
+@pytest.mark.slow  # heavy on a cold cache: CI runs it, the quick loop does not
 def test_run_bench_with_the_auto_tree_reports_the_harness_choices(tmp_path, monkeypatch):
     from eagle_jax.bench import run_bench
     from builders import PROMPTS, oracle_pair

@@ -415,6 +415,7 @@ def test_auto_tree_is_lossless_and_follows_the_costs(tmp_path):
         eng.generate([PROMPTS[0]], max_new_tokens=4, params=params, tree="sometimes")
 
 
+@pytest.mark.slow  # heavy on a cold cache: CI runs it, the quick loop does not
 def test_auto_tree_compiles_every_candidate_up_front_when_the_profile_comes_from_the_cache(tmp_path, monkeypatch):
     from eagle_jax import harness
 
@@ -444,6 +445,7 @@ def test_auto_tree_compiles_every_candidate_up_front_when_the_profile_comes_from
     assert after["step"] - before["step"] <= len(trees) + 1
 
 
+@pytest.mark.slow  # heavy on a cold cache: CI runs it, the quick loop does not
 def test_auto_tree_measures_a_profile_when_none_is_cached(tmp_path, monkeypatch):
     tgt, head = oracle_pair()
     batch = [PROMPTS[0], PROMPTS[1]]

@@ -224,6 +224,7 @@ def test_openai_client_completions_chat_and_streams_equal_plain_greedy(spec_serv
     assert m['eagle_tau{sampling="greedy"}'] > 1.5  # the oracle head's drafts are mostly accepted
 
 
+@pytest.mark.slow  # heavy on a cold cache: CI runs it, the quick loop does not
 def test_32_concurrent_streams_each_equal_their_single_request_result(spec_server, spec_pair, monkeypatch):
     tgt, _ = spec_pair
     # Cycle plain and speculative steps whatever the load, so rows join, leave, fall out of sync with

@@ -155,6 +155,7 @@ def test_followup_turn_closes_an_unfinished_answer_and_reuses_an_eos(tiny_with_r
     assert truncated == [end] + finished
 
 
+@pytest.mark.slow  # heavy on a cold cache: CI runs it, the quick loop does not
 def test_multi_turn_data_resumes_exactly(tiny_with_real_tokenizer, tmp_path):
     tgt = tiny_with_real_tokenizer
     prompts = [["Tell me about rivers.", "Shorter, please."], "Bake bread.", ["Chess?", "Why?", "Example?"],
@@ -224,9 +225,19 @@ def test_user_turn_prefix_ends_where_the_user_text_starts(tiny_with_real_tokeniz
 
 
 @pytest.mark.slow
-def test_magpie_prompts_from_the_real_target_are_user_messages(smollm2):
+def test_magpie_prompts_from_the_real_target_are_user_messages(smollm2, monkeypatch):
+    import eagle_jax.engine
+
     tgt = smollm2
+    real, rows = eagle_jax.engine.generate, []
+
+    def counted(target, prompts, **k):
+        rows.append(len(prompts))
+        return real(target, prompts, **k)
+
+    monkeypatch.setattr(eagle_jax.engine, "generate", counted)
     prompts = data.magpie_prompts(tgt, 3, seed=0, max_tokens=48)
+    assert rows and set(rows) == {8}  # full batches even for 3 prompts: one compiled shape per run
     assert len(prompts) == 3
     assert all(len(p) >= 8 and "<|im" not in p for p in prompts)
     assert len(set(prompts)) == 3
