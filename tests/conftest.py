@@ -17,6 +17,12 @@ ROOT = Path(__file__).resolve().parents[1]
 XLA_CACHE = os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".test-cache" / "xla"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# Under pytest-xdist each worker gets its share of the cores for OpenMP (torch's reference models): two
+# workers of two threads each on two cores made the transformers comparisons 1.7x slower than one each.
+# XLA's own thread pool is not OpenMP and is left alone.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 import pytest  # noqa: E402
 
