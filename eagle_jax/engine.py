@@ -15,6 +15,7 @@ import dataclasses
 import time
 from typing import Any, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -59,6 +60,11 @@ def encode_prompts(tokenizer, prompts: Sequence, chat: bool) -> list[list[int]]:
     return out
 
 
+def _abstract(tree):
+    """The shapes and dtypes of a pytree of arrays (what a jitted function is compiled for)."""
+    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), tree)
+
+
 class Engine:
     """A target (and optionally a draft head) split once, so repeated `generate` calls reuse compiled
     steps; `tree="auto"` keeps its cost profiles and acceptance statistics from call to call."""
@@ -92,6 +98,24 @@ class Engine:
         sampling=False compiles the all-greedy program (only for batches whose rows are all greedy)."""
         return steps.step(self.graphdef, self.state, self.head_graphdef, self.head_state, s, params,
                           jnp.asarray(active), tree, trace, window, sampling, self.n_params)
+
+    def compile_prefill(self, batch: int, tokens: int, cache_len: int, draft_len: int, sampling: bool = True) -> None:
+        """Compiles the prefill of `batch` prompts padded to `tokens` without running it (`steps.compile_prefill`)."""
+        b, shape = batch, jax.eval_shape
+        steps.compile_prefill(
+            self.graphdef, self.state, self.head_graphdef, self.head_state,
+            jax.ShapeDtypeStruct((b, tokens), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
+            shape(lambda: self.target.model.init_cache(b, cache_len)),
+            shape(lambda: self.head.init_cache(b, draft_len)) if self.head is not None else None,
+            _abstract(SamplingParams.make(b)), None, sampling, self.n_params)
+
+    def compile_step(self, batch: int, cache_len: int, draft_len: int, tree: TreeConfig | None,
+                     sampling: bool = True) -> None:
+        """Compiles one step of `tree` (None: plain) at these shapes without running it (`steps.compile_step`)."""
+        s = jax.eval_shape(lambda: steps.empty_state(self.target, self.head, batch, cache_len, draft_len))
+        steps.compile_step(self.graphdef, self.state, self.head_graphdef, self.head_state, s,
+                           _abstract(SamplingParams.make(batch)),
+                           jax.ShapeDtypeStruct((batch,), jnp.bool_), tree, None, sampling, self.n_params)
 
     def auto_policy(self, batch: int, cache_len: int, draft_len: int, trees, profile_dir=None) -> harness.Harness:
         """The load-aware harness for this batch bucket and cache length: the cost profile is measured

@@ -232,15 +232,17 @@ class Harness:
         return batch_tokens(self.stats, self.sampled_stats, tree, active, synced, sampled,
                             self.ucb if bonus else None)
 
-    def choose(self, bucket: int, active: int, synced: int, sampled: int = 0) -> Choice:
+    def choose(self, bucket: int, active: int, synced: int, sampled: int = 0, allowed=None) -> Choice:
         """`active` rows decode this step, `synced` of them have a draft in step with the target, and
-        `sampled` of those sample (temperature > 0)."""
+        `sampled` of those sample (temperature > 0). `allowed` (default: every candidate) limits the trees
+        to those a server has compiled and profiled at this bucket so far; a plain step is always allowed."""
         if not 0 <= sampled <= synced <= active:
             raise ValueError(f"choose: need 0 <= sampled ({sampled}) <= synced ({synced}) <= active ({active})")
         best, best_rate = None, -1.0
         any_sampled = sampled > 0  # a step with a sampling row costs that kind of step
         off_rate = active / self.profile.cost(bucket, OFF, any_sampled)
-        for tree in self.candidates:
+        pool = self.candidates if allowed is None else [None] + [t for t in self.candidates[1:] if t in allowed]
+        for tree in pool:
             cost = self.profile.cost(bucket, tree_name(tree), any_sampled)
             rate = self._tokens(tree, active, synced, bonus=False, sampled=sampled) / cost
             if tree is not None and rate < off_rate * (1.0 + self.margin):
@@ -249,7 +251,7 @@ class Harness:
                 best, best_rate = tree, rate
         explore = False
         if synced > 0:  # optimism about rarely tried trees; only rows in sync can teach us anything
-            for tree in self.candidates[1:]:
+            for tree in pool[1:]:
                 cost = self.profile.cost(bucket, tree_name(tree), any_sampled)
                 rate = self._tokens(tree, active, synced, bonus=True, sampled=sampled) / cost
                 if rate > best_rate * (1.0 + self.margin) and tree is not best:

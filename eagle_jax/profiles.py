@@ -40,7 +40,10 @@ class Profile:
     key: str
     seconds: dict[int, dict[str, float]]  # batch bucket -> candidate name -> seconds of one step
     meta: dict
-    source: str = "given"  # "measured" | "cache" | "given"
+    source: str = "given"  # "measured" | "cache" | "given" | "online" (measured by a server as it serves)
+    samples: dict = dataclasses.field(default_factory=dict, repr=False)  # (bucket, label) -> seconds observed
+    provisional: set = dataclasses.field(default_factory=set, repr=False)
+    stale: set = dataclasses.field(default_factory=set, repr=False)
 
     def cost(self, bucket: int, name: str, sampled: bool = False) -> float:
         """Step seconds at `bucket` (the nearest profiled bucket at or above it, else the largest); with
@@ -50,9 +53,51 @@ class Profile:
         row = self.seconds[b]
         if sampled and name + SAMPLED in row:
             return row[name + SAMPLED]
+        if name not in row and name + SAMPLED in row:  # measured only with sampling rows so far
+            return row[name + SAMPLED]
         if name not in row:
             raise KeyError(f"cost profile has no candidate {name!r} (has {', '.join(row)})")
         return row[name]
+
+    def has(self, bucket: int, name: str, sampled: bool = False) -> bool:
+        """Whether this exact bucket has a measured cost for `name` (sampled: its sampled-step cost)."""
+        return name + (SAMPLED if sampled else "") in self.seconds.get(bucket, {})
+
+    def record(self, bucket: int, name: str, seconds: float, sampled: bool = False, reps: int = 5,
+               provisional: bool = False) -> bool:
+        """One observed step of `name` at `bucket` (measured online, on real rows). The first observation
+        of each entry is dropped (it may have compiled); the median of the next `reps` becomes its cost.
+        `provisional` marks observations made while something else loaded the machine (background
+        compiles): such an entry is measured again by `remeasure`. Returns True when an entry completed."""
+        label = name + (SAMPLED if sampled else "")
+        if self.has(bucket, name, sampled) and (bucket, label) not in self.stale:
+            return False
+        obs = self.samples.setdefault((bucket, label), [])
+        obs.append(float(seconds))
+        if provisional:
+            self.provisional.add((bucket, label))
+        if len(obs) < reps + 1:
+            return False
+        self.seconds.setdefault(bucket, {})[label] = float(np.median(obs[1:]))
+        self.samples[(bucket, label)] = []
+        self.stale.discard((bucket, label))
+        return True
+
+    def unmeasured(self, bucket: int, names, sampled: bool = False) -> str | None:
+        """The first of `names` whose cost at `bucket` is not measured yet (or is stale), else None."""
+        for name in names:
+            label = name + (SAMPLED if sampled else "")
+            if not self.has(bucket, name, sampled) or (bucket, label) in self.stale:
+                return name
+        return None
+
+    def remeasure_provisional(self) -> None:
+        """Marks the entries measured while the machine was loaded as stale: they are measured again (the
+        old value is used until then)."""
+        self.stale |= {k for k in self.provisional if k[1] in self.seconds.get(k[0], {})}
+        self.provisional.clear()
+        for k in self.stale:
+            self.samples[k] = []
 
     def to_json(self) -> dict:
         return {"key": self.key, "meta": self.meta,
@@ -166,33 +211,50 @@ def measure_profile(target, head, buckets: Sequence[int], candidates: Sequence[T
     return out
 
 
+def profile_file(key: str, cache_dir=None) -> Path:
+    return (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / f"{key}.json"
+
+
+def load_cached(key: str, cache_dir=None) -> Profile | None:
+    """The cached profile of this key (possibly missing some buckets or candidates), or None."""
+    file = profile_file(key, cache_dir)
+    if not file.exists():
+        return None
+    try:
+        prof = Profile.from_json(json.loads(file.read_text()), source="cache")
+    except (ValueError, KeyError, TypeError) as e:
+        log.warning("harness: ignoring unreadable cost profile %s (%s)", file, e)
+        return None
+    return prof if prof.key == key else None
+
+
+def save(prof: Profile, cache_dir=None) -> None:
+    """Writes the profile to its cache file (atomically); a warning, not an error, when that fails."""
+    file = profile_file(prof.key, cache_dir)
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(prof.to_json(), indent=2))
+        tmp.replace(file)
+        log.info("harness: wrote cost profile %s", file)
+    except OSError as e:
+        log.warning("harness: cannot cache the cost profile in %s (%s)", file.parent, e)
+
+
 def load_or_measure(target, head, buckets: Sequence[int], candidates: Sequence[TreeConfig | None], cache_len: int,
                     draft_len: int, *, cache_dir=None, reprofile: bool = False, reps: int = 9) -> Profile:
     """The cached profile for this device + model + head + settings, measuring (and caching) it if needed."""
     names = [tree_name(t) for t in candidates]
     key = profile_key(target, head, buckets, names, cache_len)
-    path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    file = path / f"{key}.json"
-    if file.exists() and not reprofile:
-        try:
-            prof = Profile.from_json(json.loads(file.read_text()), source="cache")
-            if prof.key == key and all(set(names) <= set(prof.seconds.get(int(b), {})) for b in buckets):
-                log.info("harness: reusing cost profile %s", file)
-                return prof
-        except (ValueError, KeyError, TypeError) as e:
-            log.warning("harness: ignoring unreadable cost profile %s (%s)", file, e)
+    prof = None if reprofile else load_cached(key, cache_dir)
+    if prof is not None and all(set(names) <= set(prof.seconds.get(int(b), {})) for b in buckets):
+        log.info("harness: reusing cost profile %s", profile_file(key, cache_dir))
+        return prof
     t0 = time.perf_counter()
     seconds = measure_profile(target, head, buckets, candidates, cache_len, draft_len, reps=reps)
     meta = {"device": device_kind(), "model": target.name, "cache_len": cache_len, "buckets": list(buckets),
             "candidates": names, "measured_s": round(time.perf_counter() - t0, 2),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
     prof = Profile(key=key, seconds=seconds, meta=meta, source="measured")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        tmp = file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(prof.to_json(), indent=2))
-        tmp.replace(file)
-        log.info("harness: wrote cost profile %s", file)
-    except OSError as e:
-        log.warning("harness: cannot cache the cost profile in %s (%s)", path, e)
+    save(prof, cache_dir)
     return prof

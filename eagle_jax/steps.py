@@ -329,6 +329,25 @@ def _step(graphdef, state, head_graphdef, head_state, s: DecodeState, params: Sa
     return (new, emitted, count, info) if trace else (new, emitted, count)
 
 
+def compile_prefill(graphdef, state, head_graphdef, head_state, tokens, prompt_lens, cache, draft_cache, params,
+                    window: int | None = None, sampling: bool = True, n_params: int | None = None) -> None:
+    """Compiles the prefill `prefill` would run for arguments of these shapes (jax.ShapeDtypeStruct trees
+    or arrays) without running it or allocating its buffers: a later `prefill` call of the same shapes
+    dispatches the compiled program."""
+    n = param_count(state, head_state) if n_params is None else n_params
+    fn = _PREFILL[quick(n * tokens.shape[0], QUICK_COMPILE_WORK, state)]
+    fn.lower(graphdef, state, head_graphdef, head_state, tokens, prompt_lens, cache, draft_cache, params, window,
+             sampling).compile()
+
+
+def compile_step(graphdef, state, head_graphdef, head_state, s, params, active, tree: TreeConfig | None = None,
+                 window: int | None = None, sampling: bool = True, n_params: int | None = None) -> None:
+    """Compiles the step `step` would run for arguments of these shapes (as `compile_prefill`)."""
+    n = param_count(state, head_state) if n_params is None else n_params
+    fn = _STEP[quick(n * s.root.shape[0], QUICK_COMPILE_WORK, state)]
+    fn.lower(graphdef, state, head_graphdef, head_state, s, params, active, tree, False, window, sampling).compile()
+
+
 _PREFILL = jit_pair(_prefill, static_argnames=("graphdef", "head_graphdef", "window", "sampling"),
                     donate_argnames=("cache", "draft_cache"))
 _STEP = jit_pair(_step, static_argnames=("graphdef", "head_graphdef", "tree", "trace", "window", "sampling"),

@@ -51,9 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--reprofile", action="store_true", default=None, help="measure the harness cost profile again")
     a("--profile-reps", type=int, help=f"timed repetitions per profiled step (default: {d.profile_reps})")
     a("--no-warmup", dest="warmup", action="store_false", default=None,
-      help="compile steps on first use instead of at start-up")
-    a("--warmup-prompt-len", type=int, help="warm-up compiles prefills for prompts up to this many tokens "
-                                            f"(default: {d.warmup_prompt_len})")
+      help="compile each program the first time a request needs it, inside the serving loop, instead of "
+           "in the background from start-up")
+    a("--warmup-prompt-len", type=int, help="the background preparation compiles prefills for prompts up to "
+                                            "this many tokens (default: all up to max_model_len); longer ones "
+                                            "compile when a request needs one, outside the serving loop")
     a("--compile-cache", help="persistent XLA compilation cache directory; '' disables it "
                               "(default: ~/.cache/eagle_jax/xla)")
     a("--log-level", choices=["debug", "info", "warning", "error"], help=f"(default: {d.log_level})")

@@ -16,7 +16,7 @@ import time
 from fastapi import Request
 
 from eagle_jax.serve.generation import Generation
-from eagle_jax.serve.metrics import Metrics
+from eagle_jax.serve.metrics import Metrics, process_memory
 from eagle_jax.serve.scheduler import Scheduler
 from eagle_jax.serve.schemas import ApiError, ChatMessage, ChatRequest, CommonRequest, CompletionRequest
 
@@ -204,4 +204,12 @@ class Api:
         for name in snap.get("expected_tokens_per_row", {}):
             chosen = (last.name == name) if last is not None else (snap["mode"] == "fixed")
             gauges.append(("eagle_harness_choice", {"config": name}, 1.0 if chosen else 0.0))
+        mem = process_memory()
+        for key, name in (("VmRSS", "eagle_process_resident_bytes"), ("VmHWM", "eagle_process_peak_resident_bytes")):
+            if key in mem:
+                gauges.append((name, {}, mem[key]))
+        prep = self.scheduler.ready.snapshot()
+        if "programs_total" in prep:
+            gauges += [("eagle_preparation_programs_done", {}, prep["programs_done"]),
+                       ("eagle_preparation_programs_total", {}, prep["programs_total"])]
         return self.metrics.render(gauges)

@@ -2,7 +2,8 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both streaming as server-sent events with a
 final `data: [DONE]`, or one JSON body), GET /v1/models, GET /health, GET /metrics (Prometheus text),
-GET /harness (the speculation policy's state as JSON).
+GET /ready (whether requests can be served yet, and what the background preparation has left), GET
+/harness (the speculation policy's state as JSON).
 Bad requests get an OpenAI-style error body {"error": {"message", "type", "param", "code"}} naming the
 field; a full queue gets 503 with Retry-After. The /v1 routes need 'Authorization: Bearer KEY' when the
 server has an API key. `create_app` builds it all for a loaded model.
@@ -19,11 +20,12 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from eagle_jax import harness, profiles, steps
+from eagle_jax import harness, profiles
 from eagle_jax.serve.api import Api
 from eagle_jax.serve.config import ConfigError, ServeConfig
 from eagle_jax.serve.metrics import Metrics
 from eagle_jax.serve.scheduler import Scheduler, SchedulerConfig, cache_length
+from eagle_jax.tree import tree_name
 from eagle_jax.serve.schemas import ApiError, ChatRequest, CompletionRequest, decode_json, error_response, parse_body
 
 log = logging.getLogger("eagle_jax.serve")
@@ -99,7 +101,7 @@ def v1_router(api: Api) -> APIRouter:
 
 
 def add_service_routes(app: FastAPI, api: Api) -> None:
-    """/health, /harness and /metrics (no API key: for load balancers and monitoring)."""
+    """/health (alive), /ready, /harness and /metrics (no API key: for load balancers and monitoring)."""
 
     @app.get("/health")
     async def health():
@@ -107,28 +109,25 @@ def add_service_routes(app: FastAPI, api: Api) -> None:
             return {"status": "ok", "model": api.model_name}
         return JSONResponse({"status": "unavailable"}, status_code=503)
 
+    @app.get("/ready")
+    async def ready():
+        """200 once requests can be served (plain decoding of the first batch bucket is compiled), with what
+        is still being prepared ("complete" turns true when nothing is left); 503 before that."""
+        prep = api.scheduler.ready.snapshot()
+        ok = api.scheduler.alive and prep["servable"]
+        status = ("ready" if prep["complete"] else "preparing") if ok else "starting"
+        return JSONResponse({"status": status, "model": api.model_name, "preparation": prep},
+                            status_code=200 if ok else 503)
+
     @app.get("/harness")
     async def harness_state():
-        """The speculation policy's state: mode, estimates, choices so far, the cost profile (JSON)."""
-        return api.scheduler.policy.snapshot()
+        """The speculation policy's state: mode, estimates, choices so far, the cost profile, and the
+        background preparation's progress (JSON)."""
+        return {**api.scheduler.policy.snapshot(), "preparation": api.scheduler.ready.snapshot()}
 
     @app.get("/metrics")
     async def metrics():
         return PlainTextResponse(api.render_metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-
-def release_free_memory() -> None:
-    """Hands the C heap's free pages back to the OS. Profiling and warm-up allocate and free gigabytes
-    of step buffers, which glibc keeps (a plain SmolLM2 server measured 10.9 GB resident after start-up,
-    2.3 GB after this); trimming once before serving costs nothing per step (trimming on every free
-    halves the throughput). Does nothing where the C library has no malloc_trim."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def create_app(target, head=None, config=None, *, profile=None, metrics: Metrics | None = None) -> FastAPI:
@@ -145,10 +144,10 @@ def create_app(target, head=None, config=None, *, profile=None, metrics: Metrics
                                 batch_buckets=tuple(config.batch_buckets), prefill_batches=tuple(config.prefill_batches),
                                 prefill_tokens=config.prefill_tokens, max_queue=config.max_queue)
     head, policy = speculation_policy(target, head, config, sched_cfg, profile)
-    scheduler = Scheduler(target, head, policy, sched_cfg, metrics)
-    if config.warmup:
-        scheduler.warmup(config.warmup_prompt_len)
-    release_free_memory()
+    scheduler = Scheduler(target, head, policy, sched_cfg, metrics, profile_dir=config.profile_dir,
+                          profile_reps=config.profile_reps)
+    if config.warmup:  # compiled in the background once the app starts; served meanwhile
+        scheduler.prepare_in_background(config.warmup_prompt_len)
     api = Api(scheduler, config.served_model_name or target.name, max_model_len, metrics, config.api_key)
     return build_app(api)
 
@@ -168,9 +167,14 @@ def speculation_policy(target, head, config: ServeConfig, sched_cfg: SchedulerCo
         return head, harness.FixedPolicy(tree)
     trees = [t for t in config.candidate_trees() if t is not None]
     candidates = [None] + trees
-    if profile is None:
+    if profile is None:  # the cached one, else measured on real steps as the server serves
         cache_len = cache_length(sched_cfg.max_model_len, candidates)
-        profile = profiles.load_or_measure(
-            target, head, sched_cfg.buckets(), candidates, cache_len, cache_len + steps.draft_extra(candidates),
-            cache_dir=config.profile_dir, reprofile=config.reprofile, reps=config.profile_reps)
+        key = profiles.profile_key(target, head, sched_cfg.buckets(), [tree_name(t) for t in candidates], cache_len)
+        profile = None if config.reprofile else profiles.load_cached(key, config.profile_dir)
+        if profile is None:
+            profile = profiles.Profile(key, {}, {"device": profiles.device_kind(), "model": target.name,
+                                                  "cache_len": cache_len, "candidates": [tree_name(t) for t in candidates],
+                                                  "method": "online"}, source="online")
+        else:
+            log.info("harness: cost profile from %s", profiles.profile_file(key, config.profile_dir))
     return head, harness.Harness(trees, profile)

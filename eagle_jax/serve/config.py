@@ -40,12 +40,12 @@ class ServeConfig:
     reprofile: bool = False
     profile_reps: int = 5
     warmup: bool = True
-    warmup_prompt_len: int = 128  # warm-up compiles prefills for prompts up to this many tokens
+    warmup_prompt_len: int | None = None  # prefills compiled ahead for prompts up to this long (default: all)
     compile_cache: str | None = None  # persistent XLA compilation cache directory ("" = off)
     log_level: str = "info"
 
     def __post_init__(self):
-        for name in ("max_batch", "max_model_len", "prefill_tokens", "profile_reps"):
+        for name in ("max_batch", "max_model_len", "prefill_tokens", "profile_reps", "warmup_prompt_len"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queue < 0:

@@ -25,6 +25,10 @@ DESCRIPTIONS = {
     "eagle_slots_free": ("gauge", "Free batch slots (max_batch minus running requests)."),
     "eagle_tau": ("gauge", "Recent tokens per row per speculative step (EMA, rows whose draft is in sync), "
                            "greedy and sampled rows apart."),
+    "eagle_process_resident_bytes": ("gauge", "Resident memory of the server process now (VmRSS)."),
+    "eagle_process_peak_resident_bytes": ("gauge", "Peak resident memory of the server process (VmHWM)."),
+    "eagle_preparation_programs_done": ("gauge", "Programs compiled by the background preparation so far."),
+    "eagle_preparation_programs_total": ("gauge", "Programs the background preparation compiles in all."),
     "eagle_harness_choice": ("gauge", "1 for the tree shape chosen for the last step."),
     "eagle_harness_expected_tokens": ("gauge", "Harness estimate of tokens per in-sync row per step, by shape, "
                                                "greedy and sampled rows apart."),
@@ -81,4 +85,18 @@ def parse(text: str) -> dict[str, float]:
         if line and not line.startswith("#"):
             key, _, value = line.rpartition(" ")
             out[key] = float(value)
+    return out
+
+
+def process_memory() -> dict[str, int]:
+    """{'VmRSS': bytes, 'VmHWM': bytes} of this process ({} where /proc is not there)."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    out[key] = int(value.split()[0]) * 1024
+    except OSError:
+        pass
     return out

@@ -35,12 +35,13 @@ from typing import Callable, Sequence
 import jax.numpy as jnp
 import numpy as np
 
+from eagle_jax import profiles
 from eagle_jax.engine import engine_for
 from eagle_jax.rows import insert_rows, length_bucket, pad_prompts, take_rows
+from eagle_jax.serve.prepare import LEARNED, OnDemand, Preparation, choose_step
 from eagle_jax.sampling import SamplingParams
 from eagle_jax.steps import DecodeState, draft_extra, empty_state, tree_slack
 from eagle_jax.stream import TokenStream
-from eagle_jax.tree import tree_name
 
 log = logging.getLogger("eagle_jax.serve")
 
@@ -126,7 +127,8 @@ def cache_length(max_model_len: int, trees) -> int:
 
 
 class Scheduler:
-    def __init__(self, target, head, policy, config: SchedulerConfig = SchedulerConfig(), metrics=None):
+    def __init__(self, target, head, policy, config: SchedulerConfig = SchedulerConfig(), metrics=None, *,
+                 profile_dir=None, profile_reps: int = 5):
         trees = [t for t in getattr(policy, "candidates", [getattr(policy, "tree", None)]) if t is not None]
         if trees and head is None:
             raise ValueError("speculation needs a draft head; use plain decoding (speculation 'off') without one")
@@ -137,6 +139,13 @@ class Scheduler:
         self.cache_len = cache_length(config.max_model_len, trees)
         self.draft_len = self.cache_len + draft_extra(trees)
         self.eos = set(target.eos_token_ids)
+        self.trees = trees
+        # What may run now (everything, compiled on first use, unless `prepare_in_background`), and the
+        # harness's cost profile, which real steps fill in (`prepare.choose_step`).
+        self.ready = OnDemand()
+        self.profile = getattr(policy, "profile", None)
+        self.profile_dir, self.profile_reps = profile_dir, profile_reps
+        self._remeasured = False
 
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -157,12 +166,26 @@ class Scheduler:
         self.failure: BaseException | None = None
 
     # --- public, thread-safe ------------------------------------------------------------------------
+    def prepare_in_background(self, prompt_len: int | None = None) -> Preparation:
+        """Serves while compiling: `start` then starts a Preparation thread, and steps use only what it
+        has compiled (`eagle_jax.serve.prepare`). Call before `start`."""
+        self.ready = Preparation(self, prompt_len, on_progress=self.wake)
+        return self.ready
+
     def start(self) -> None:
         if self.thread is None:
             self.thread = threading.Thread(target=self._run, name="eagle-jax-scheduler", daemon=True)
             self.thread.start()
+            if isinstance(self.ready, Preparation):
+                self.ready.start()
+
+    def wake(self) -> None:
+        with self._lock:
+            self._wake.notify_all()
 
     def shutdown(self, timeout: float = 30.0) -> None:
+        if isinstance(self.ready, Preparation):
+            self.ready.stop()
         with self._lock:
             self._stop = True
             self._wake.notify_all()
@@ -216,6 +239,9 @@ class Scheduler:
                 self._admit()
                 if self._n_running:
                     self._step()
+                elif self._waiting:  # waiting for a program the preparation is compiling
+                    with self._lock:
+                        self._wake.wait(0.05)
                 if not self._n_running and not self._waiting and self.state is not None:
                     self._release()
         except BaseException as e:  # keep serving impossible, but fail every request loudly
@@ -302,12 +328,17 @@ class Scheduler:
                 b = next(x for x in self.prefill_batches if x >= len(out) + 1)
                 if out and b * length_bucket(longest) > self.config.prefill_tokens:
                     break
+                if not self.ready.prefill_ready(b, self.prompt_bucket(longest)):
+                    if not out:  # compiled next; running rows keep stepping meanwhile
+                        self.ready.want_prefill(b, self.prompt_bucket(longest))
+                    break
                 out.append(self._waiting.popleft())
             self._n_running += len(out)
         return out
 
     def _admit(self) -> None:
-        free = self.config.max_batch - self._n_running
+        ready = [b for b in self.buckets if self.ready.bucket_ready(b)]
+        free = (ready[-1] if ready else 0) - self._n_running
         if free <= 0 or not self._waiting:
             return
         newcomers = self._take_newcomers(free)
@@ -317,11 +348,11 @@ class Scheduler:
             running = sum(r is not None for r in self.slots)
             need = running + len(newcomers)
             if self.state is None or need > len(self.slots):
-                self._resize(next(b for b in self.buckets if b >= need))
+                self._resize(next(b for b in ready if b >= need))
             free_slots = [i for i, r in enumerate(self.slots) if r is None][: len(newcomers)]
             k = len(newcomers)
             b = next(x for x in self.prefill_batches if x >= k)
-            t = self._prompt_bucket(max(len(r.prompt_ids) for r in newcomers))
+            t = self.prompt_bucket(max(len(r.prompt_ids) for r in newcomers))
             tokens, lens = pad_prompts([r.prompt_ids for r in newcomers], b, t)
             params = SamplingParams.make(k, [r.temperature for r in newcomers], [r.top_k for r in newcomers],
                                          [r.top_p for r in newcomers], [r.seed for r in newcomers]).pad_to(b)
@@ -353,7 +384,7 @@ class Scheduler:
         for i, (slot, r) in enumerate(zip(free_slots, newcomers)):
             self._deliver(slot, [int(first[i])])
 
-    def _prompt_bucket(self, n: int) -> int:
+    def prompt_bucket(self, n: int) -> int:
         # Half-octave buckets, but never wider than the cache the prompt is written into.
         return min(length_bucket(n), self.cache_len)
 
@@ -387,7 +418,8 @@ class Scheduler:
         n_active = int(active.sum())
         n_synced = int((active & self.synced).sum())
         samples = np.array([r is not None and r.temperature > 0 for r in self.slots])  # estimated apart from greedy
-        choice = self.policy.choose(bucket, n_active, n_synced, int((active & self.synced & samples).sum()))
+        n_sampled, kind = int((active & self.synced & samples).sum()), bool((active & samples).any())
+        choice = choose_step(self.policy, self.ready, self.profile, bucket, n_active, n_synced, n_sampled, kind)
         params = self._sampling_params()
         t0 = time.perf_counter()
         try:
@@ -405,6 +437,7 @@ class Scheduler:
             return
         dt = time.perf_counter() - t0
         self.steps += 1
+        self._measured(bucket, choice.name, dt, kind)
         self.last_batch = n_active
         observed = [r for r in range(bucket) if active[r] and self.synced[r]]
         self.policy.observe(choice.tree, [int(count[r]) for r in observed], [bool(samples[r]) for r in observed])
@@ -422,6 +455,18 @@ class Scheduler:
                 self.metrics.inc("eagle_harness_explore_total")
         self._maybe_shrink()
 
+    def _measured(self, bucket: int, name: str, seconds: float, sampled: bool) -> None:
+        """A real step's time, for the cost profile (saved whenever an entry of it completes)."""
+        if self.profile is None or self.profile.source not in LEARNED:
+            return
+        if self.ready.complete and not self._remeasured:  # costs measured beside compiles: again, now
+            self.profile.remeasure_provisional()
+            self._remeasured = True
+        if self.profile.record(bucket, name, seconds, sampled, self.profile_reps, provisional=not self.ready.complete):
+            log.info("harness: measured batch bucket %d %s%s: %.2f ms", bucket, name, " (sampled)" if sampled else "",
+                     self.profile.cost(bucket, name, sampled) * 1e3)
+            profiles.save(self.profile, self.profile_dir)
+
     def _deliver(self, slot: int, tokens: list[int]) -> int:
         """Hands a row's new tokens (and the text they complete) to its request, stopping at EOS, a stop
         string or max_tokens. Returns tokens delivered."""
@@ -437,40 +482,10 @@ class Scheduler:
 
     def _maybe_shrink(self) -> None:
         n = sum(r is not None for r in self.slots)
-        smaller = next(b for b in self.buckets if b >= max(n, 1))
+        smaller = next(b for b in self.buckets if b >= max(n, 1) and self.ready.bucket_ready(b))
         if smaller < len(self.slots) and not self._waiting:
             self._small_steps += 1
             if self._small_steps >= self.config.shrink_patience:
                 self._resize(smaller)
         else:
             self._small_steps = 0
-
-    # --- warm-up --------------------------------------------------------------------------------------
-    def warmup(self, prompt_len: int = 128) -> float:
-        """Compiles what serving runs, so no request waits for a compile: every step variant at every batch
-        bucket, prefills of every prefill batch and prompt bucket up to `prompt_len` tokens, the row
-        scatters and the bucket changes. Returns seconds."""
-        t0 = time.perf_counter()
-        empty = lambda b: empty_state(self.target, self.head, b, self.cache_len, self.draft_len)
-        limit = min(prompt_len, self.config.max_model_len - 1)
-        prompt_buckets = sorted({self._prompt_bucket(n) for n in range(1, limit + 1)})
-        for b in self.prefill_batches:
-            for t in prompt_buckets:
-                new = self._prefill(np.zeros((b, t), np.int32), np.ones((b,), np.int32), SamplingParams.make(b))
-            for bucket in self.buckets:
-                insert_rows(empty(bucket), new, jnp.full((b,), bucket, jnp.int32)).root.block_until_ready()
-        log.info("warm-up: prefills compiled (batches %s, prompt buckets %s)", self.prefill_batches, prompt_buckets)
-        for src in self.buckets:
-            for dst in self.buckets:
-                if src != dst:
-                    take_rows(empty(src), jnp.full((dst,), -1, jnp.int32)).root.block_until_ready()
-        trees = [t for t in getattr(self.policy, "candidates", [getattr(self.policy, "tree", None)])]
-        for b in self.buckets:
-            params = SamplingParams.make(b)
-            active = jnp.zeros((b,), bool)
-            for tree in trees:
-                out = self.engine.run_step(empty(b), params, active, tree)
-                out[2].block_until_ready()
-            log.info("warm-up: batch bucket %d compiled (%s)", b, ", ".join(tree_name(t) for t in trees))
-        log.info("warm-up done in %.1f s", time.perf_counter() - t0)
-        return time.perf_counter() - t0

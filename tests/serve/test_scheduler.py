@@ -143,14 +143,25 @@ def test_token_stream_ends_rows_at_eos_or_max_tokens():
         TokenStream(None, max_tokens=0)
 
 
-def test_warmup_compiles_everything_serving_runs():
+def test_background_preparation_compiles_everything_serving_runs():
     from eagle_jax import steps
 
     target, head = oracle_pair()
     sched = Scheduler(target, head, FixedPolicy(TreeConfig(3, 2, 6)),
                       SchedulerConfig(max_batch=2, max_model_len=64, batch_buckets=(1, 2), prefill_batches=(1, 2),
                                       shrink_patience=1))
-    sched.warmup(prompt_len=24)
+    prep = sched.prepare_in_background(prompt_len=24)
+    assert not prep.servable and prep.snapshot()["programs_done"] == 0
+    sched.start()
+    deadline = time.time() + 120
+    while not prep.complete and time.time() < deadline:
+        time.sleep(0.05)
+    snap = prep.snapshot()
+    assert prep.complete and snap["programs_done"] == snap["programs_total"] == prep.total and not snap["failed"]
+    # Buckets 1 and 2: a plain step and the row ops each; prefills of 1 and of 2 prompts at prompt buckets
+    # 16 and 24; the tree at both buckets.
+    assert snap["plain_buckets"] == [1, 2] and snap["speculation"] == {"1": ["3,2,6"], "2": ["3,2,6"]}
+    assert prep.total == 2 + 2 + 4 + 2
     before = dict(steps.TRACE_COUNTS)
     col = Collector(4)
     prompts = [PROMPTS[0], PROMPTS[1], [5] * 24, PROMPTS[2]]

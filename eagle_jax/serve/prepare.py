@@ -1,0 +1,255 @@
+"""What a started server compiles in the background, in the order requests need it, and which step it
+may run meanwhile.
+
+The server listens as soon as the model is loaded. A `Preparation` thread then compiles, ahead of time
+(`Engine.compile_step` / `compile_prefill`: nothing runs and no batch state is allocated, so preparing
+costs no memory beyond the programs), every program serving runs:
+
+1. the plain step, the row scatters and the bucket changes of batch bucket 1, then prefills of one
+   prompt from the shortest prompt bucket up: a request can be answered once its prefill is in;
+2. the same for every larger batch bucket, and prefills of up to `prefill_batches[-1]` prompts;
+3. prefills of long prompts, up to max_model_len;
+4. every candidate tree's step at every batch bucket (speculation joins a bucket tree by tree).
+
+A request whose prefill is not compiled yet moves that prefill to the front of the queue and waits in
+the scheduler's queue, while running rows keep stepping: nothing compiles inside a served step. The
+same goes for a batch bucket's speculation: the bucket in use is prepared next.
+
+`choose_step` is the scheduler's per-step choice: a plain step until a tree is compiled at the bucket,
+then each compiled tree measured on real steps (a few steps each, median; any candidate is a lossless
+step, so measuring costs only the difference in speed), then the policy's choice among the measured
+trees. Costs measured while compiles still ran are measured again once preparation is complete. Without
+a Preparation (`OnDemand`, the --no-warmup server and tests) everything counts as compiled, and each
+program compiles the first time it is needed.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+
+from eagle_jax.harness import Choice
+from eagle_jax.rows import insert_rows, take_rows
+from eagle_jax.steps import empty_state
+from eagle_jax.tree import tree_name
+
+log = logging.getLogger("eagle_jax.serve")
+
+LEARNED = ("online", "cache")  # profiles a server completes by measuring real steps (not "given" or "measured")
+
+
+class OnDemand:
+    """Readiness when nothing is prepared ahead: every program counts as ready and compiles on first use."""
+
+    complete = True
+    servable = True
+
+    def bucket_ready(self, bucket: int) -> bool:
+        return True
+
+    def prefill_ready(self, batch: int, tokens: int) -> bool:
+        return True
+
+    def tree_ready(self, bucket: int, tree) -> bool:
+        return True
+
+    def want_prefill(self, batch: int, tokens: int) -> None:
+        pass
+
+    def want_bucket(self, bucket: int) -> None:
+        pass
+
+    def snapshot(self) -> dict:
+        return {"mode": "on-demand", "complete": True, "servable": True}
+
+
+class Preparation(OnDemand):
+    """Compiles a scheduler's programs on a background thread, most needed first (see the module doc)."""
+
+    def __init__(self, scheduler, prompt_len: int | None = None, on_progress=None):
+        self.s = scheduler
+        self.on_progress = on_progress or (lambda: None)
+        self._lock = threading.Lock()
+        self._done: set = set()
+        self._tasks: collections.OrderedDict = collections.OrderedDict()  # key -> callable, in run order
+        self._failed: dict = {}
+        self._stop = False
+        self._wake = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.started_at = self.finished_at = None
+        self.current = None
+        longest = min(prompt_len or scheduler.config.max_model_len - 1, scheduler.config.max_model_len - 1)
+        self._plan(longest)
+        self.total = len(self._tasks)
+
+    # --- the plan -----------------------------------------------------------------------------------
+    def _plan(self, longest: int) -> None:
+        s = self.s
+        prompt_buckets = sorted({s.prompt_bucket(n) for n in range(1, longest + 1)})
+        short = [t for t in prompt_buckets if t <= 128]
+        long = [t for t in prompt_buckets if t > 128]
+        cap = s.config.prefill_tokens
+        fits = lambda b, t: b == 1 or b * t <= cap  # a single prompt of any length goes alone
+        add = self._tasks.__setitem__
+        for i, bucket in enumerate(s.buckets):
+            add(("step", bucket, "off"), lambda b=bucket: self._compile_step(b, None))
+            add(("rows", bucket), lambda b=bucket, smaller=s.buckets[:i]: self._compile_rows(b, smaller))
+            for pb in s.prefill_batches:
+                if pb <= bucket and ("prefill", pb, short[0]) not in self._tasks:
+                    for t in short:
+                        if fits(pb, t):
+                            add(("prefill", pb, t), lambda b=pb, t=t: self._compile_prefill(b, t))
+        for t in long:
+            for pb in s.prefill_batches:
+                if fits(pb, t):
+                    add(("prefill", pb, t), lambda b=pb, t=t: self._compile_prefill(b, t))
+        for bucket in s.buckets:
+            for tree in s.trees:
+                add(("step", bucket, tree.name), lambda b=bucket, tr=tree: self._compile_step(b, tr))
+
+    def _abstract_state(self, batch: int):
+        s = self.s
+        return jax.eval_shape(lambda: empty_state(s.target, s.head, batch, s.cache_len, s.draft_len))
+
+    def _compile_step(self, bucket: int, tree) -> None:
+        self.s.engine.compile_step(bucket, self.s.cache_len, self.s.draft_len, tree)
+
+    def _compile_prefill(self, batch: int, tokens: int) -> None:
+        self.s.engine.compile_prefill(batch, tokens, self.s.cache_len, self.s.draft_len)
+
+    def _compile_rows(self, bucket: int, smaller) -> None:
+        """Newcomers' scatters into this bucket, and the gathers between it and every smaller bucket."""
+        state = self._abstract_state(bucket)
+        for pb in self.s.prefill_batches:
+            insert_rows.lower(state, self._abstract_state(pb), jax.ShapeDtypeStruct((pb,), jnp.int32)).compile()
+        for other in smaller:
+            take_rows.lower(state, jax.ShapeDtypeStruct((other,), jnp.int32)).compile()
+            take_rows.lower(self._abstract_state(other), jax.ShapeDtypeStruct((bucket,), jnp.int32)).compile()
+
+    # --- the thread ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.thread is None:
+            self.started_at = time.monotonic()
+            self.thread = threading.Thread(target=self._run, name="eagle-jax-prepare", daemon=True)
+            self.thread.start()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop:
+            with self._lock:
+                if not self._tasks:
+                    break
+                key, fn = next(iter(self._tasks.items()))
+                self.current = key
+            t0 = time.perf_counter()
+            try:
+                fn()
+            except Exception as e:  # a program that cannot compile is compiled on first use instead
+                log.exception("preparing %s failed", key)
+                self._failed[key] = f"{type(e).__name__}: {e}"
+            release_free_memory()
+            dt = time.perf_counter() - t0
+            with self._lock:
+                self._tasks.pop(key, None)
+                self._done.add(key)
+                self.current = None
+                left = len(self._tasks)
+            log.log(logging.INFO if key[0] != "rows" else logging.DEBUG, "prepared %s in %.1f s (%d of %d, %d left)",
+                    " ".join(map(str, key)), dt, self.total - left, self.total, left)
+            self.on_progress()
+        if not self._stop:
+            self.finished_at = time.monotonic()
+            log.info("preparation complete: %d programs in %.0f s", self.total, self.finished_at - self.started_at)
+            self.on_progress()
+
+    def _bump(self, keys) -> None:
+        with self._lock:
+            for key in reversed([k for k in keys if k in self._tasks]):
+                self._tasks.move_to_end(key, last=False)
+
+    # --- what the scheduler asks ----------------------------------------------------------------------
+    @property
+    def complete(self) -> bool:
+        return self.finished_at is not None
+
+    @property
+    def servable(self) -> bool:
+        """Whether a one-prompt request can be admitted once its prefill is compiled."""
+        return self.bucket_ready(self.s.buckets[0])
+
+    def _has(self, key) -> bool:
+        return key in self._done or key in self._failed
+
+    def bucket_ready(self, bucket: int) -> bool:
+        return self._has(("step", bucket, "off")) and self._has(("rows", bucket))
+
+    def prefill_ready(self, batch: int, tokens: int) -> bool:
+        return self._has(("prefill", batch, tokens)) or ("prefill", batch, tokens) not in self._tasks
+
+    def tree_ready(self, bucket: int, tree) -> bool:
+        return self._has(("step", bucket, tree_name(tree)))
+
+    def want_prefill(self, batch: int, tokens: int) -> None:
+        self._bump([("prefill", batch, tokens)])
+
+    def want_bucket(self, bucket: int) -> None:
+        self._bump([("step", bucket, t.name) for t in self.s.trees])
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            done, pending, current = len(self._done), list(self._tasks), self.current
+        now = self.finished_at or time.monotonic()
+        s = self.s
+        return {"mode": "background", "complete": self.complete, "servable": self.servable,
+                "programs_done": done, "programs_total": self.total, "seconds": round(now - self.started_at, 1)
+                if self.started_at else 0.0, "compiling": None if current is None else " ".join(map(str, current)),
+                "plain_buckets": [b for b in s.buckets if self.bucket_ready(b)],
+                "speculation": {str(b): [t.name for t in s.trees if self.tree_ready(b, t)] for b in s.buckets},
+                "prefills_pending": sorted({f"{k[1]}x{k[2]}" for k in pending if k[0] == "prefill"}),
+                "failed": {" ".join(map(str, k)): v for k, v in self._failed.items()}}
+
+
+def choose_step(policy, ready, profile, bucket: int, active: int, synced: int, sampled: int, kind: bool) -> Choice:
+    """The candidate for this step (see the module doc). `profile` is the harness's cost profile (None for
+    a fixed tree or plain decoding; only an "online" or cached one is completed by measuring); `kind`: whether some row samples (such a step costs more); trees not
+    compiled at this bucket yet are never chosen."""
+    trees = [t for t in getattr(policy, "candidates", [getattr(policy, "tree", None)]) if t is not None]
+    compiled = [t for t in trees if ready.tree_ready(bucket, t)]
+    if len(compiled) < len(trees):
+        ready.want_bucket(bucket)
+    if profile is None or profile.source not in LEARNED:  # a fixed tree, or costs given: no measuring
+        if trees and not compiled:
+            return Choice("off", None, float(active), 0.0 if profile is None else profile.cost(bucket, "off", kind))
+        if profile is None or len(compiled) == len(trees):
+            return policy.choose(bucket, active, synced, sampled)
+        return policy.choose(bucket, active, synced, sampled, allowed=compiled)
+    todo = profile.unmeasured(bucket, ["off"] + [t.name for t in compiled], kind)
+    if todo is not None:  # measure it on this (real, lossless) step
+        tree = next((t for t in compiled if t.name == todo), None)
+        return Choice(todo, tree, float(active), 0.0, explore=True)
+    measured = [t for t in compiled if profile.has(bucket, t.name, kind)]
+    if not measured:
+        return Choice("off", None, float(active), profile.cost(bucket, "off", kind))
+    return policy.choose(bucket, active, synced, sampled, allowed=measured)
+
+
+def release_free_memory() -> None:
+    """Hands the C heap's free pages back to the OS. Compiling allocates and frees
+    gigabytes of XLA's working memory, which glibc keeps (a plain SmolLM2 server measured 10.9 GB resident
+    after start-up, 2.3 GB after this); trimming after each compile costs nothing per step (trimming on
+    every free halves the throughput). Does nothing where the C library has no malloc_trim."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
