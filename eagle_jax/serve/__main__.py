@@ -100,7 +100,8 @@ def main(argv=None) -> int:
         cache_dir = os.path.join(os.path.expanduser("~"), ".cache", "eagle_jax", "xla")
     if cache_dir:
         jax.config.update("jax_compilation_cache_dir", cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # tiny programs are quicker to compile
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
     import uvicorn
 

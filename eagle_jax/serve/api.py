@@ -16,9 +16,9 @@ import time
 from fastapi import Request
 
 from eagle_jax.serve.generation import Generation
-from eagle_jax.serve.metrics import Metrics, process_memory
+from eagle_jax.serve.metrics import CompileCounter, Metrics, process_memory
 from eagle_jax.serve.scheduler import Scheduler
-from eagle_jax.serve.schemas import ApiError, ChatMessage, ChatRequest, CommonRequest, CompletionRequest
+from eagle_jax.serve.schemas import ApiError, ChatMessage, ChatRequest, CommonRequest, CompletionRequest, check_text
 
 MAX_STOP = 4
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -66,6 +66,8 @@ class Api:
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if len(stop) > MAX_STOP:
             raise ApiError(400, f"stop takes at most {MAX_STOP} strings, got {len(stop)}.", "stop", "invalid_value")
+        for i, text in enumerate(stop):
+            check_text(text, "stop" if isinstance(req.stop, str) else f"stop[{i}]")
         max_tokens = self.max_tokens(req, n_prompt, default_max, max_tokens_param)
         seed = secrets.randbits(32) if req.seed is None else req.seed
         return {"max_tokens": int(max_tokens), "temperature": float(t), "top_p": float(top_p),
@@ -118,7 +120,7 @@ class Api:
             if self.tokenizer is None:
                 raise ApiError(400, "This model has no tokenizer: send the prompt as a list of token ids.", "prompt",
                                "invalid_value")
-            ids = list(self.tokenizer(prompt)["input_ids"])
+            ids = list(self.tokenizer(check_text(prompt, "prompt"))["input_ids"])
         else:
             ids = list(prompt)
             bad = [t for t in ids if not 0 <= t < self.vocab]
@@ -147,6 +149,7 @@ class Api:
                                             f"type {p.type!r}.", f"messages[{i}].content[{j}].type", "invalid_value")
                     parts.append(p.text)
                 content = "".join(parts)
+            check_text(content or "", f"messages[{i}].content")
             msgs.append({"role": m.role, "content": content or ""})
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "This model has no chat template; use /v1/completions.", "messages", "invalid_value")
@@ -204,6 +207,8 @@ class Api:
         for name in snap.get("expected_tokens_per_row", {}):
             chosen = (last.name == name) if last is not None else (snap["mode"] == "fixed")
             gauges.append(("eagle_harness_choice", {"config": name}, 1.0 if chosen else 0.0))
+        for source, n in CompileCounter.counts().items():
+            gauges.append(("eagle_xla_programs_total", {"source": source}, float(n)))
         mem = process_memory()
         for key, name in (("VmRSS", "eagle_process_resident_bytes"), ("VmHWM", "eagle_process_peak_resident_bytes")):
             if key in mem:

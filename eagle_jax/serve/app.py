@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from eagle_jax import harness, profiles
 from eagle_jax.serve.api import Api
 from eagle_jax.serve.config import ConfigError, ServeConfig
-from eagle_jax.serve.metrics import Metrics
+from eagle_jax.serve.metrics import CompileCounter, Metrics
 from eagle_jax.serve.scheduler import Scheduler, SchedulerConfig, cache_length
 from eagle_jax.tree import tree_name
 from eagle_jax.serve.schemas import ApiError, ChatRequest, CompletionRequest, decode_json, error_response, parse_body
@@ -45,6 +45,7 @@ def build_app(api: Api) -> FastAPI:
     app = FastAPI(title="eagle-jax", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.api = api
     add_error_handlers(app, api)
+    app.add_middleware(InternalErrors, metrics=api.metrics)
     app.include_router(v1_router(api))
     add_service_routes(app, api)
     return app
@@ -70,14 +71,44 @@ def add_error_handlers(app: FastAPI, api: Api) -> None:
                               getattr(e, "headers", None))
 
 
+class InternalErrors:
+    """ASGI middleware for what no handler expected: a request that raises is logged, counted
+    (eagle_requests_total{outcome="error"}) and answered 500 with an OpenAI-style body and
+    `Connection: close`, so a client never reads a reset on its next request. A stream that fails after
+    its first chunk cannot be answered any more; its connection is closed."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def send_and_note(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_note)
+        except Exception:
+            log.exception("internal error answering %s %s", scope.get("method"), scope.get("path"))
+            self.metrics.inc("eagle_requests_total", outcome="error")
+            if started:
+                raise
+            await error_response(500, "The server failed while answering this request; it has been logged.", None,
+                                 "internal_error", "server_error", {"Connection": "close"})(scope, receive, send)
+
+
 def v1_router(api: Api) -> APIRouter:
     """The OpenAI routes under /v1, behind the API key if there is one."""
 
     async def check_key(request: Request):
         if api.api_key is None:
             return
-        got = request.headers.get("authorization", "")
-        if not hmac.compare_digest(got.encode(), f"Bearer {api.api_key}".encode()):
+        scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api.api_key.encode()):
             raise ApiError(401, "Invalid or missing API key: send 'Authorization: Bearer <key>'.", None,
                            "invalid_api_key", "authentication_error", {"WWW-Authenticate": "Bearer"})
 
@@ -143,6 +174,7 @@ def create_app(target, head=None, config=None, *, profile=None, metrics: Metrics
     sched_cfg = SchedulerConfig(max_batch=config.max_batch, max_model_len=max_model_len,
                                 batch_buckets=tuple(config.batch_buckets), prefill_batches=tuple(config.prefill_batches),
                                 prefill_tokens=config.prefill_tokens, max_queue=config.max_queue)
+    CompileCounter.watch()
     head, policy = speculation_policy(target, head, config, sched_cfg, profile)
     scheduler = Scheduler(target, head, policy, sched_cfg, metrics, profile_dir=config.profile_dir,
                           profile_reps=config.profile_reps)

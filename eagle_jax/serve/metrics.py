@@ -27,6 +27,8 @@ DESCRIPTIONS = {
                            "greedy and sampled rows apart."),
     "eagle_process_resident_bytes": ("gauge", "Resident memory of the server process now (VmRSS)."),
     "eagle_process_peak_resident_bytes": ("gauge", "Peak resident memory of the server process (VmHWM)."),
+    "eagle_xla_programs_total": ("counter", "XLA programs this process built, by source: compiled, or read from "
+                                            "the persistent compilation cache (a restart compiles nothing it has)."),
     "eagle_preparation_programs_done": ("gauge", "Programs compiled by the background preparation so far."),
     "eagle_preparation_programs_total": ("gauge", "Programs the background preparation compiles in all."),
     "eagle_harness_choice": ("gauge", "1 for the tree shape chosen for the last step."),
@@ -100,3 +102,41 @@ def process_memory() -> dict[str, int]:
     except OSError:
         pass
     return out
+
+
+class CompileCounter:
+    """Counts the XLA programs this process builds, and how many of them came from JAX's persistent
+    compilation cache (JAX's monitoring events; one listener per process, installed by `watch`)."""
+
+    BUILD = "/jax/core/compile/backend_compile_duration"  # every backend build, cache hits included
+    HIT = "/jax/compilation_cache/cache_hits"
+    _lock = threading.Lock()
+    _installed = False
+    built = 0
+    from_cache = 0
+
+    @classmethod
+    def watch(cls) -> None:
+        with cls._lock:
+            if cls._installed:
+                return
+            import jax.monitoring
+
+            jax.monitoring.register_event_duration_secs_listener(cls._on_duration)
+            jax.monitoring.register_event_listener(cls._on_event)
+            cls._installed = True
+
+    @classmethod
+    def _on_duration(cls, event: str, duration: float, **kwargs) -> None:
+        if event == cls.BUILD:
+            cls.built += 1
+
+    @classmethod
+    def _on_event(cls, event: str, **kwargs) -> None:
+        if event == cls.HIT:
+            cls.from_cache += 1
+
+    @classmethod
+    def counts(cls) -> dict[str, int]:
+        """{'compiled': programs XLA compiled, 'cache': programs read from the persistent cache}."""
+        return {"compiled": max(cls.built - cls.from_cache, 0), "cache": cls.from_cache}

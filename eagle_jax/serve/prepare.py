@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from eagle_jax.harness import Choice
 from eagle_jax.rows import insert_rows, take_rows
+from eagle_jax.serve.metrics import CompileCounter
 from eagle_jax.steps import empty_state
 from eagle_jax.tree import tree_name
 
@@ -167,7 +168,10 @@ class Preparation(OnDemand):
             self.on_progress()
         if not self._stop:
             self.finished_at = time.monotonic()
-            log.info("preparation complete: %d programs in %.0f s", self.total, self.finished_at - self.started_at)
+            built = CompileCounter.counts()
+            log.info("preparation complete: %d programs in %.0f s (this process so far: %d XLA programs compiled, "
+                     "%d read from the persistent compilation cache)", self.total, self.finished_at - self.started_at,
+                     built["compiled"], built["cache"])
             self.on_progress()
 
     def _bump(self, keys) -> None:

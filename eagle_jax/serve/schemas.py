@@ -108,12 +108,60 @@ def error_param(loc) -> str:
     return out
 
 
+MAX_DEPTH = 32  # nesting levels a request body may have (the deepest valid one has 5)
+MAX_DIGITS = 64  # digits an integer in a request body may have
+
+
+class HugeInteger:
+    """An integer literal too long to be any parameter's value, kept as its length: pydantic refuses it
+    as "not a valid integer" and names the field (converting it could take long, or fail past Python's
+    4300-digit limit)."""
+
+    def __init__(self, digits: str):
+        self.n = len(digits.lstrip("-"))
+
+    def __repr__(self) -> str:
+        return f"<an integer of {self.n} digits>"
+
+
+def _parse_int(digits: str):
+    return int(digits) if len(digits) <= MAX_DIGITS + 1 else HugeInteger(digits)
+
+
 def decode_json(raw: bytes):
-    """The JSON value of a request body; a 400 ApiError if it is not JSON."""
+    """The JSON value of a request body; a 400 ApiError if it is not JSON, or is nested too deeply."""
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        body = json.loads(raw, parse_int=_parse_int)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
         raise ApiError(400, f"Invalid JSON body: {e}", None, "invalid_json")
+    except RecursionError:
+        raise ApiError(400, f"Invalid JSON body: nested more than {MAX_DEPTH} levels deep.", None, "invalid_json")
+    if json_depth(body) > MAX_DEPTH:
+        raise ApiError(400, f"Invalid JSON body: nested more than {MAX_DEPTH} levels deep.", None, "invalid_json")
+    return body
+
+
+def json_depth(value) -> int:
+    """How deeply lists and objects nest in a decoded JSON value (without recursion)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, (list, dict)):
+            deepest = max(deepest, d)
+            if deepest > MAX_DEPTH:
+                break
+            todo.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def check_text(text: str, param: str) -> str:
+    """`text` if it is valid Unicode (no lone surrogates, which no tokenizer can encode); else a 400."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"{param} is not valid Unicode text: a lone surrogate {text[e.start]!r} at character "
+                            f"{e.start}.", param, "invalid_value")
+    return text
 
 
 def parse_body(model: type[StrictModel], body):

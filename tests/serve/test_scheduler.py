@@ -174,3 +174,45 @@ def test_background_preparation_compiles_everything_serving_runs():
         sched.shutdown()
     assert col.end == ["length"] * 4
     assert dict(steps.TRACE_COUNTS) == before  # no request waited for a compile
+
+
+def test_requests_made_during_preparation_equal_plain_greedy_and_speculation_joins_once_compiled(monkeypatch):
+    import eagle_jax.serve.scheduler as scheduler_module
+    from eagle_jax import steps
+
+    target, head = oracle_pair()
+    tree = TreeConfig(3, 2, 6)
+    sched = Scheduler(target, head, FixedPolicy(tree),
+                      SchedulerConfig(max_batch=2, max_model_len=64, batch_buckets=(1, 2), prefill_batches=(1, 2)))
+    prep = sched.prepare_in_background(prompt_len=24)
+    gate = threading.Event()  # the tree's programs wait for it: requests come while only plain steps exist
+    compile_step = prep._compile_step
+    monkeypatch.setattr(prep, "_compile_step", lambda b, t: (t is None or gate.wait(120), compile_step(b, t)))
+    chosen = []
+    choose = scheduler_module.choose_step
+    monkeypatch.setattr(scheduler_module, "choose_step", lambda *a: chosen.append(choose(*a).name) or choose(*a))
+    prompts, max_tokens = [PROMPTS[0], PROMPTS[1], PROMPTS[2], [7, 3] * 9], [30, 12, 25, 20]
+    want = [eagle_jax.generate(target, [p], max_new_tokens=m).token_ids[0] for p, m in zip(prompts, max_tokens)]
+    col = Collector(4)
+    sched.start()
+    try:
+        for i in (0, 1):
+            sched.submit(Request(prompts[i], max_tokens[i], sink=col.sink(i)))
+        deadline = time.time() + 120
+        while col.left > 2 and time.time() < deadline:
+            time.sleep(0.02)
+        assert col.end[:2] == ["length"] * 2 and not prep.complete
+        assert set(chosen) == {"off"} and not any(prep.tree_ready(b, tree) for b in (1, 2))
+        gate.set()
+        while not prep.complete and time.time() < deadline:
+            time.sleep(0.02)
+        assert prep.complete and not prep.snapshot()["failed"]
+        before, n_plain = dict(steps.TRACE_COUNTS), len(chosen)
+        for i in (2, 3):
+            sched.submit(Request(prompts[i], max_tokens[i], sink=col.sink(i)))
+        assert col.done.wait(60)
+    finally:
+        sched.shutdown()
+    assert col.tokens == want  # greedy: token for token what plain decoding gives, before and after
+    assert set(chosen[n_plain:]) == {"3,2,6"}  # the tree's steps joined once compiled
+    assert dict(steps.TRACE_COUNTS) == before

@@ -81,3 +81,90 @@ def test_load_test_script_runs_every_mode_in_smoke_mode(tmp_path):
     assert set(got["fixed", 1]["steps"]) == {"3,1,4"} and set(got["plain", 2]["steps"]) == {"off"}
     assert set(report["auto_ratios"]) == {"1", "2"}
     assert "auto" in run.stdout and "vs plain" in run.stdout
+
+
+def _serve(tmp_path, name, *extra):
+    """A `python -m eagle_jax.serve` subprocess on a tiny model (background preparation on); returns
+    (process, base url)."""
+    import os
+
+    from builders import write_tiny_chat_model
+
+    model = tmp_path / "tiny-model"
+    if not model.exists():
+        write_tiny_chat_model(model)
+    env = {**os.environ, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}  # cache even the tiny programs
+    log = open(tmp_path / f"{name}.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "eagle_jax.serve", "--model", str(model), "--draft", "random",
+                             "--port", "0", "--json", "--max-batch", "2", "--max-model-len", "64", "--candidates", "off",
+                             "3,1,4", "--compile-cache", str(tmp_path / "xla"), "--profile-dir",
+                             str(tmp_path / "profiles"), "--profile-reps", "2", *extra],
+                            stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT, env=env)
+    for line in proc.stdout:
+        if line.startswith("{"):
+            return proc, json.loads(line)["url"]
+    proc.wait(10)
+    raise AssertionError((tmp_path / f"{name}.log").read_text()[-3000:])
+
+
+def _get(url):
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def _until_prepared(url, timeout=300):
+    """The /ready answers seen until preparation completes (each as (status code, body))."""
+    import time
+
+    seen, deadline = [], time.time() + timeout
+    while time.time() < deadline:
+        code, body = _get(url + "/ready")
+        seen.append((code, json.loads(body)))
+        if code == 200 and seen[-1][1]["preparation"]["complete"]:
+            return seen
+        time.sleep(0.05)
+    raise AssertionError(f"preparation did not complete: {seen[-1]}")
+
+
+def _compiles(url):
+    from eagle_jax.serve.metrics import parse
+
+    m = parse(_get(url + "/metrics")[1])
+    return {s: m[f'eagle_xla_programs_total{{source="{s}"}}'] for s in ("compiled", "cache")}
+
+
+@pytest.mark.slow  # two server processes
+def test_readiness_reports_progress_and_a_second_start_compiles_nothing(tmp_path):
+    proc, url = _serve(tmp_path, "first")
+    try:
+        seen = _until_prepared(url)
+        first = _compiles(url)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    codes = {c for c, _ in seen}
+    assert codes <= {200, 503} and seen[-1][1]["status"] == "ready"
+    progress = [b["preparation"]["programs_done"] for _, b in seen]
+    total = seen[-1][1]["preparation"]["programs_total"]
+    assert progress == sorted(progress) and progress[-1] == total and total >= 6  # steps, rows, prefills, trees
+    assert seen[-1][1]["preparation"]["speculation"] == {"1": ["3,1,4"], "2": ["3,1,4"]}
+    for code, body in seen:  # 503 exactly while nothing can be served yet
+        assert (code == 200) == body["preparation"]["servable"] and body["status"] in ("starting", "preparing", "ready")
+    assert first["compiled"] >= total
+
+    proc, url = _serve(tmp_path, "second")
+    try:
+        _until_prepared(url)
+        second = _compiles(url)
+        code, body = _get(url + "/harness")
+        assert code == 200 and json.loads(body)["preparation"]["complete"]
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert second["compiled"] == 0 and second["cache"] >= total, (first, second)
