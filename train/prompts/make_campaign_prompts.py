@@ -1,6 +1,6 @@
 """Writes train/prompts/campaign-prompts.jsonl: category-seeded prompts for the head campaign.
 
-    python train/prompts/make_campaign_prompts.py [--austen DIR] [--per-category N] [--seed S]
+    python train/prompts/make_campaign_prompts.py [--austen DIR] [--per-category N] [--seed S] [--exclude JSONL]
 
 Deterministic for a given seed. Eight categories of what people ask a chat model: writing, roleplay,
 reasoning, math, coding, extraction (pulling facts out of, or summarising, a given text), stem and
@@ -1452,10 +1452,26 @@ def main(argv=None):
     ap.add_argument("--multi-turn", type=float, default=0.25, help="fraction of two-turn conversations")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(Path(__file__).with_name("campaign-prompts.jsonl")))
+    ap.add_argument("--exclude", action="append", default=[], metavar="JSONL",
+                    help="drop rows whose first request already appears in this file (repeatable), so a "
+                         "second file made with another seed adds only new requests")
     args = ap.parse_args(argv)
 
     passages = austen_passages(find_austen(args.austen), random.Random(f"{args.seed}:austen"), 2 * args.per_category)
     rows = build(passages, args.per_category, args.multi_turn, args.seed)
+    first = lambda r: (r.get("turns") or [r["prompt"]])[0]  # noqa: E731
+    seen = set()
+    for path in args.exclude:
+        with open(path) as f:
+            seen.update(first(json.loads(line)) for line in f if line.strip())
+    kept = []
+    for r in rows:  # also drops repeats within this file
+        if first(r) not in seen:
+            seen.add(first(r))
+            kept.append(r)
+    if len(kept) < len(rows):
+        print(f"dropped {len(rows) - len(kept)} rows whose first request was already seen")
+    rows = kept
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's eagle_jax
