@@ -84,13 +84,20 @@ class Engine:
         self.acceptance: dict[int, tuple] = {}
 
     def run_prefill(self, tokens, prompt_lens, cache_len: int, draft_len: int, params,
-                    window: int | None = None, sampling: bool = True) -> steps.DecodeState:
-        """The prefill (see `steps.prefill`); sampling=False compiles the all-greedy program."""
+                    window: int | None = None, sampling: bool = True, prev: steps.DecodeState | None = None,
+                    follow=None) -> steps.DecodeState:
+        """The prefill (see `steps.prefill`); sampling=False compiles the all-greedy program. prev: the
+        state an earlier chunk of the same prompts left (donated), which this chunk continues; follow [B]:
+        each prompt's token after this chunk (-1 where the chunk ends its prompt)."""
         b = tokens.shape[0]
-        dcache = self.head.init_cache(b, draft_len) if self.head is not None else None
+        if prev is None:
+            cache = self.target.model.init_cache(b, cache_len)
+            dcache = self.head.init_cache(b, draft_len) if self.head is not None else None
+        else:
+            cache, dcache = prev.cache, prev.draft_cache if self.head is not None else None
         return steps.prefill(self.graphdef, self.state, self.head_graphdef, self.head_state, jnp.asarray(tokens),
-                             jnp.asarray(prompt_lens), self.target.model.init_cache(b, cache_len), dcache, params,
-                             window, sampling, self.n_params)
+                             jnp.asarray(prompt_lens), cache, dcache, params, window, sampling, self.n_params,
+                             None if follow is None else jnp.asarray(follow, jnp.int32))
 
     def run_step(self, s: steps.DecodeState, params, active, tree: TreeConfig | None, trace: bool = False,
                  window: int | None = None, sampling: bool = True):

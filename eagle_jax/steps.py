@@ -197,39 +197,45 @@ def draft_tree(target, head, s: DecodeState, tree: TreeConfig) -> Tree:
 
 def prefill(graphdef, state, head_graphdef, head_state, tokens, prompt_lens, cache: KVCache, draft_cache,
             params: SamplingParams, window: int | None = None, sampling: bool = True,
-            n_params: int | None = None) -> DecodeState:
-    """Runs the prompts [B, T] (right-padded; true lengths prompt_lens [B]) and samples the root (token
-    one); with a head (head_graphdef not None), then runs the draft over every prompt pair.
-    window (static, >= T): the target's attention reads cache slots [0, window) only.
+            n_params: int | None = None, follow=None) -> DecodeState:
+    """Runs the prompts [B, T] (right-padded; true lengths prompt_lens [B]) after what `cache` (and
+    `draft_cache`) already hold, and samples the root (the token after them); with a head (head_graphdef
+    not None), then runs the draft over every new pair. Fresh caches (lengths 0) give a whole prefill;
+    caches of an earlier call give the next chunk of a long prompt (chunked prefill: the same program
+    for the same shapes), where follow [B] is the prompt's token after this chunk (-1, the default: the
+    chunk ends the prompt, and its last pair's next token is the root just sampled).
+    window (static, >= the lengths after the call): the target's attention reads cache slots [0, window) only.
     sampling (static): False when every row is greedy (temperature 0): a smaller program, the same tokens.
     cache and draft_cache are donated. n_params: `param_count(state, head_state)`, when the caller knows it."""
     n = param_count(state, head_state) if n_params is None else n_params
     fn = _PREFILL[quick(n * tokens.shape[0], QUICK_COMPILE_WORK, tokens, state)]
-    return fn(graphdef, state, head_graphdef, head_state, tokens, prompt_lens, cache, draft_cache, params, window,
-              sampling)
+    if follow is None:
+        follow = jnp.full((tokens.shape[0],), -1, jnp.int32)
+    return fn(graphdef, state, head_graphdef, head_state, tokens, prompt_lens, cache, draft_cache, params, follow,
+              window, sampling)
 
 
 def _prefill(graphdef, state, head_graphdef, head_state, tokens, prompt_lens, cache: KVCache, draft_cache,
-             params: SamplingParams, window: int | None = None, sampling: bool = True) -> DecodeState:
+             params: SamplingParams, follow, window: int | None = None, sampling: bool = True) -> DecodeState:
     TRACE_COUNTS["prefill"] += 1
     target = nnx.merge(graphdef, state)
     head = None if head_graphdef is None else nnx.merge(head_graphdef, head_state)
     b = tokens.shape[0]
-    cache = cache.replace(lengths=jnp.zeros_like(cache.lengths))
+    start = cache.lengths  # [B]: what the caches hold already (0 for a fresh prefill)
     out = target(tokens, cache, capture_layers=capture_layers(None if head is None else head.cfg),
                  logits_at=prompt_lens - 1, window=window)
-    root = sample(out.logits, params, prompt_lens, sampling)
-    cache = out.cache.replace(lengths=prompt_lens)
+    root = sample(out.logits, params, start + prompt_lens, sampling)
+    cache = out.cache.replace(lengths=start + prompt_lens)
     if head is None:
         return DecodeState(cache, root=root, **draft_parts(b))
-    # Pair i = (feature_i, token_{i+1}); the last pair's next token is the freshly sampled root.
+    # Pair i = (feature_i, token_{i+1}); the last pair's next token is the prompt's next one, or the root.
     nxt = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
-    nxt = jnp.where(jnp.arange(tokens.shape[1])[None, :] == (prompt_lens - 1)[:, None], root[:, None], nxt)
-    draft_cache = draft_cache.replace(lengths=jnp.zeros_like(draft_cache.lengths))
+    last = jnp.where(follow >= 0, follow, root)
+    nxt = jnp.where(jnp.arange(tokens.shape[1])[None, :] == (prompt_lens - 1)[:, None], last[:, None], nxt)
     h, draft_cache = head(target, target_features(out, head.cfg), nxt, draft_cache, fuse=True)
     root_hidden = jnp.take_along_axis(h, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
     parts = draft_parts(b, head, 0)
-    parts.update(draft_cache=draft_cache.replace(lengths=prompt_lens), root_hidden=root_hidden)
+    parts.update(draft_cache=draft_cache.replace(lengths=draft_cache.lengths + prompt_lens), root_hidden=root_hidden)
     return DecodeState(cache, root=root, **parts)
 
 
@@ -336,8 +342,9 @@ def compile_prefill(graphdef, state, head_graphdef, head_state, tokens, prompt_l
     dispatches the compiled program."""
     n = param_count(state, head_state) if n_params is None else n_params
     fn = _PREFILL[quick(n * tokens.shape[0], QUICK_COMPILE_WORK, state)]
-    fn.lower(graphdef, state, head_graphdef, head_state, tokens, prompt_lens, cache, draft_cache, params, window,
-             sampling).compile()
+    follow = jax.ShapeDtypeStruct((tokens.shape[0],), jnp.int32)
+    fn.lower(graphdef, state, head_graphdef, head_state, tokens, prompt_lens, cache, draft_cache, params, follow,
+             window, sampling).compile()
 
 
 def compile_step(graphdef, state, head_graphdef, head_state, s, params, active, tree: TreeConfig | None = None,

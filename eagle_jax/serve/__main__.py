@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--prefill-batches", type=int, nargs="+", help="batch buckets of one prefill; the largest caps newcomers per "
                                                      f"prefill (default: {' '.join(map(str, d.prefill_batches))})")
     a("--prefill-tokens", type=int, help=f"padded prompt tokens per prefill (default: {d.prefill_tokens})")
+    a("--prefill-chunk", type=int, help="a longer prompt is prefilled alone in chunks of this many tokens, running "
+                                        f"requests stepping between them (default: {d.prefill_chunk})")
     a("--profile-dir", help="where harness cost profiles are cached (default: ~/.cache/eagle_jax/harness)")
     a("--reprofile", action="store_true", default=None, help="measure the harness cost profile again")
     a("--profile-reps", type=int, help=f"timed repetitions per profiled step (default: {d.profile_reps})")

@@ -24,7 +24,8 @@ from eagle_jax import harness, profiles
 from eagle_jax.serve.api import Api
 from eagle_jax.serve.config import ConfigError, ServeConfig
 from eagle_jax.serve.metrics import CompileCounter, Metrics
-from eagle_jax.serve.scheduler import Scheduler, SchedulerConfig, cache_length
+from eagle_jax.serve.requests import SchedulerConfig, cache_length
+from eagle_jax.serve.scheduler import Scheduler
 from eagle_jax.tree import tree_name
 from eagle_jax.serve.schemas import ApiError, ChatRequest, CompletionRequest, decode_json, error_response, parse_body
 
@@ -173,7 +174,8 @@ def create_app(target, head=None, config=None, *, profile=None, metrics: Metrics
     max_model_len = config.model_len(target.cfg.max_position)
     sched_cfg = SchedulerConfig(max_batch=config.max_batch, max_model_len=max_model_len,
                                 batch_buckets=tuple(config.batch_buckets), prefill_batches=tuple(config.prefill_batches),
-                                prefill_tokens=config.prefill_tokens, max_queue=config.max_queue)
+                                prefill_tokens=config.prefill_tokens, prefill_chunk=config.prefill_chunk,
+                                max_queue=config.max_queue)
     CompileCounter.watch()
     head, policy = speculation_policy(target, head, config, sched_cfg, profile)
     scheduler = Scheduler(target, head, policy, sched_cfg, metrics, profile_dir=config.profile_dir,

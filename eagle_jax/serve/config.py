@@ -36,6 +36,7 @@ class ServeConfig:
     batch_buckets: tuple[int, ...] = ()  # default: powers of two up to max_batch
     prefill_batches: tuple[int, ...] = (1, 4)
     prefill_tokens: int = 2048
+    prefill_chunk: int = 128
     profile_dir: str | None = None  # default ~/.cache/eagle_jax/harness
     reprofile: bool = False
     profile_reps: int = 5
@@ -48,6 +49,8 @@ class ServeConfig:
         for name in ("max_batch", "max_model_len", "prefill_tokens", "profile_reps", "warmup_prompt_len"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.prefill_chunk < 16:
+            raise ConfigError(f"prefill_chunk must be >= 16 tokens, got {self.prefill_chunk}")
         if self.max_queue < 0:
             raise ConfigError(f"max_queue must be >= 0, got {self.max_queue}")
         if not 0 <= self.port < 65536:

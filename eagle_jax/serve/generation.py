@@ -17,7 +17,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from eagle_jax.serve.metrics import Metrics
-from eagle_jax.serve.scheduler import QueueFull, Request as GenRequest, Scheduler, ShuttingDown
+from eagle_jax.serve.requests import QueueFull, Request as GenRequest, ShuttingDown
+from eagle_jax.serve.scheduler import Scheduler
 from eagle_jax.serve.schemas import ApiError, error_response
 
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there

@@ -8,7 +8,8 @@ costs no memory beyond the programs), every program serving runs:
 1. the plain step, the row scatters and the bucket changes of batch bucket 1, then prefills of one
    prompt from the shortest prompt bucket up: a request can be answered once its prefill is in;
 2. the same for every larger batch bucket, and prefills of up to `prefill_batches[-1]` prompts;
-3. prefills of long prompts, up to max_model_len;
+3. prefills of prompt buckets above 128 tokens, up to `prefill_chunk` (a longer prompt is prefilled in
+   chunks of the compiled sizes);
 4. every candidate tree's step at every batch bucket (speculation joins a bucket tree by tree).
 
 A request whose prefill is not compiled yet moves that prefill to the front of the queue and waits in
@@ -84,7 +85,9 @@ class Preparation(OnDemand):
         self.thread: threading.Thread | None = None
         self.started_at = self.finished_at = None
         self.current = None
-        longest = min(prompt_len or scheduler.config.max_model_len - 1, scheduler.config.max_model_len - 1)
+        # Longer prompts are prefilled in chunks of at most prefill_chunk tokens: no program beyond that.
+        longest = min(prompt_len or scheduler.config.max_model_len - 1, scheduler.config.max_model_len - 1,
+                      scheduler.config.prefill_chunk)
         self._plan(longest)
         self.total = len(self._tasks)
 

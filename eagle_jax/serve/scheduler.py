@@ -9,7 +9,8 @@ Each loop iteration:
    requests and `prefill_tokens` padded prompt tokens), so running rows wait for at most one prefill
    between two of their steps. Newcomers are prefilled as their own batch (prompt-length bucket, same
    cache length) and scattered into free rows (`rows.insert_rows`); when the bucket is too
-   small the state is first gathered into a larger one (`rows.take_rows`);
+   small the state is first gathered into a larger one (`rows.take_rows`). A prompt longer than
+   `prefill_chunk` is prefilled alone, one chunk per iteration, and joins after its last chunk;
 3. runs one step for all rows with the candidate the policy picks (the harness, a fixed tree, or plain
    decoding); rows without a request pass active=False and commit nothing;
 4. hands each request its new tokens; rows that hit EOS or max_tokens leave, and the batch shrinks to
@@ -25,12 +26,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import logging
-import math
 import threading
 import time
-from typing import Callable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -39,91 +37,23 @@ from eagle_jax import profiles
 from eagle_jax.engine import engine_for
 from eagle_jax.rows import insert_rows, length_bucket, pad_prompts, take_rows
 from eagle_jax.serve.prepare import LEARNED, OnDemand, Preparation, choose_step
+from eagle_jax.serve.requests import Event, QueueFull, Request, SchedulerConfig, ShuttingDown, cache_length
 from eagle_jax.sampling import SamplingParams
-from eagle_jax.steps import DecodeState, draft_extra, empty_state, tree_slack
+from eagle_jax.steps import DecodeState, draft_extra, empty_state
 from eagle_jax.stream import TokenStream
 
 log = logging.getLogger("eagle_jax.serve")
 
 
-class QueueFull(Exception):
-    """The server holds max_batch running + max_queue waiting requests already."""
-
-
-class ShuttingDown(Exception):
-    pass
-
-
 @dataclasses.dataclass
-class Event:
-    kind: str  # "tokens" | "done" | "error"
-    tokens: tuple[int, ...] = ()
-    reason: str | None = None  # done: "stop" (EOS or a stop string) | "length" | "cancelled"
-    message: str | None = None
-    text: str = ""  # tokens / done: text that can be shown now (see eagle_jax.stream.TokenStream)
+class _Chunked:
+    """A long prompt's prefill in progress: its request, the batch-1 state its chunks have written so
+    far (None before the first), and how many of its tokens that holds."""
 
-
-_ids = itertools.count()
-
-
-class Request:
-    """One generation request as the scheduler sees it (token ids in, token ids out)."""
-
-    def __init__(self, prompt_ids: Sequence[int], max_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int = 0, ignore_eos: bool = False, stop: Sequence[str] = (),
-                 sink: Callable[[Event], None] | None = None):
-        self.id = next(_ids)
-        self.prompt_ids = [int(t) for t in prompt_ids]
-        self.max_tokens = int(max_tokens)
-        self.temperature, self.top_p, self.top_k = float(temperature), float(top_p), int(top_k)
-        self.seed = int(seed) % (2**32)
-        # Checked here, on the caller's thread: a bad request must fail alone, not inside a shared prefill.
-        if not self.prompt_ids or self.max_tokens < 1:
-            raise ValueError("a request needs a non-empty prompt and max_tokens >= 1")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0 and 0 < self.top_p <= 1
-                and 0 <= self.top_k < 2**31):
-            raise ValueError(f"invalid sampling parameters: temperature {temperature}, top_p {top_p}, top_k {top_k}")
-        self.ignore_eos = ignore_eos
-        self.stop = [str(s) for s in stop if s]
-        self.sink = sink
-        self.stream: TokenStream | None = None  # EOS, stop strings, max_tokens, text: set when it gets a slot
-        self.finish_reason: str | None = None
-        self.slot: int | None = None
-
-    def _emit(self, event: Event) -> None:
-        if self.sink is None:
-            return
-        try:
-            self.sink(event)
-        except Exception:  # a closed event loop must not take the engine down
-            log.debug("request %d: sink failed", self.id, exc_info=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class SchedulerConfig:
-    max_batch: int = 32
-    max_model_len: int = 1024  # prompt + generated tokens per request
-    batch_buckets: tuple[int, ...] = ()  # default: powers of two up to max_batch, and max_batch
-    prefill_batches: tuple[int, ...] = (1, 4)  # batch buckets of a prefill (the largest caps one prefill)
-    prefill_tokens: int = 2048  # padded prompt tokens per prefill (a longer single prompt still goes alone)
-    max_queue: int = 256  # waiting requests beyond the running ones before QueueFull
-    shrink_patience: int = 8
-
-    def buckets(self) -> tuple[int, ...]:
-        if self.batch_buckets:
-            b = sorted({int(x) for x in self.batch_buckets if 0 < int(x) <= self.max_batch} | {self.max_batch})
-            return tuple(b)
-        out, b = [], 1
-        while b < self.max_batch:
-            out.append(b)
-            b *= 2
-        return tuple(out + [self.max_batch])
-
-
-def cache_length(max_model_len: int, trees) -> int:
-    """Target cache length: max_model_len plus the tree slack, rounded up to a multiple of 128."""
-    need = max_model_len + tree_slack(trees)
-    return -(-need // 128) * 128
+    req: Request
+    state: DecodeState | None = None
+    done: int = 0
+    seconds: float = 0.0
 
 
 class Scheduler:
@@ -160,6 +90,7 @@ class Scheduler:
         self.synced = np.zeros(0, bool)  # row has a draft in step with its target (plain steps keep it so)
         self._params = None  # device SamplingParams for the current slots
         self._small_steps = 0
+        self._chunked: _Chunked | None = None  # a long prompt being prefilled chunk by chunk
         self.last_batch = 0
         self.steps = 0
         self.thread: threading.Thread | None = None
@@ -237,10 +168,11 @@ class Scheduler:
                     cancels, self._cancel = self._cancel, {}
                 self._drop(cancels)
                 self._admit()
-                if self._n_running:
+                chunked = self._chunked is not None and self._prefill_chunk()
+                if any(r is not None for r in self.slots):
                     self._step()
-                elif self._waiting:  # waiting for a program the preparation is compiling
-                    with self._lock:
+                elif (self._waiting or self._chunked is not None) and not chunked:
+                    with self._lock:  # waiting for a program the preparation is compiling
                         self._wake.wait(0.05)
                 if not self._n_running and not self._waiting and self.state is not None:
                     self._release()
@@ -251,6 +183,7 @@ class Scheduler:
             with self._lock:
                 self._stop = True
                 pending = list(self._waiting) + [r for r in self.slots if r is not None]
+                pending += [self._chunked.req] if self._chunked is not None else []
                 self._waiting.clear()
             for r in pending:
                 self._fail(r, "the server is shutting down" if self.failure is None else f"engine failure: {self.failure}")
@@ -258,7 +191,7 @@ class Scheduler:
     def _fail(self, req: Request, message: str) -> None:
         if req.finish_reason is None:
             req.finish_reason = "error"
-            req._emit(Event("error", message=message))
+            req.emit(Event("error", message=message))
 
     def _release(self) -> None:
         """Idle: drop the state (the next request starts a fresh one at the smallest bucket it needs)."""
@@ -274,10 +207,16 @@ class Scheduler:
             self._waiting = kept
         for r in dropped_waiting:
             r.finish_reason = cancels[r]
-            r._emit(Event("done", reason=cancels[r]))
+            r.emit(Event("done", reason=cancels[r]))
         for slot, r in enumerate(self.slots):
             if r is not None and r in cancels:
                 self._finish(slot, cancels[r])
+        if self._chunked is not None and self._chunked.req in cancels:
+            req, self._chunked = self._chunked.req, None
+            with self._lock:
+                self._n_running -= 1
+            req.finish_reason = cancels[req]
+            req.emit(Event("done", reason=cancels[req]))
 
     def _finish(self, slot: int, reason: str) -> None:
         req = self.slots[slot]
@@ -287,7 +226,7 @@ class Scheduler:
         if req.finish_reason is None:
             req.finish_reason = reason
             rest = req.stream.delta(final=True) if req.stream is not None and reason != "cancelled" else ""
-            req._emit(Event("done", reason=reason, text=rest))
+            req.emit(Event("done", reason=reason, text=rest))
 
     # --- batch state ----------------------------------------------------------------------------------
     def _resize(self, bucket: int) -> None:
@@ -324,6 +263,11 @@ class Scheduler:
         with self._lock:
             while self._waiting and len(out) < cap:
                 nxt = self._waiting[0]
+                if len(nxt.prompt_ids) > self.config.prefill_chunk:  # alone, chunk by chunk (`_prefill_chunk`)
+                    if not out and self._chunked is None:
+                        self._chunked = _Chunked(self._waiting.popleft())
+                        self._n_running += 1
+                    break
                 longest = max([len(r.prompt_ids) for r in out] + [len(nxt.prompt_ids)])
                 b = next(x for x in self.prefill_batches if x >= len(out) + 1)
                 if out and b * length_bucket(longest) > self.config.prefill_tokens:
@@ -345,44 +289,103 @@ class Scheduler:
         if not newcomers:
             return
         try:
-            running = sum(r is not None for r in self.slots)
-            need = running + len(newcomers)
-            if self.state is None or need > len(self.slots):
-                self._resize(next(b for b in ready if b >= need))
-            free_slots = [i for i, r in enumerate(self.slots) if r is None][: len(newcomers)]
             k = len(newcomers)
             b = next(x for x in self.prefill_batches if x >= k)
             t = self.prompt_bucket(max(len(r.prompt_ids) for r in newcomers))
             tokens, lens = pad_prompts([r.prompt_ids for r in newcomers], b, t)
-            params = SamplingParams.make(k, [r.temperature for r in newcomers], [r.top_k for r in newcomers],
-                                         [r.top_p for r in newcomers], [r.seed for r in newcomers]).pad_to(b)
             t0 = time.perf_counter()
-            new = self._prefill(tokens, lens, params)
-            dst = np.asarray(free_slots + [len(self.slots)] * (b - k), np.int32)
-            self.state = insert_rows(self.state, new, jnp.asarray(dst))
-            first = np.asarray(new.root)
+            new = self._prefill(tokens, lens, self._newcomer_params(newcomers, b))
+            first = self._place(newcomers, new, b)
             dt = time.perf_counter() - t0
         except Exception as e:
-            log.exception("prefill failed")
-            with self._lock:
-                self._n_running -= len(newcomers)
-            for r in newcomers:
-                self._fail(r, f"prefill failed: {e}")
-            self._recover_if_broken()
+            self._prefill_failed(newcomers, e)
             return
-        if self.metrics is not None:
-            self.metrics.inc("eagle_prefills_total")
-            self.metrics.inc("eagle_prefill_seconds_total", dt)
-            self.metrics.inc("eagle_prompt_tokens_total", sum(len(r.prompt_ids) for r in newcomers))
-        self._params = None
-        for i, (slot, r) in enumerate(zip(free_slots, newcomers)):
+        self._count_prefill(newcomers, dt)
+        self._started(newcomers, first)
+
+    def _prefill_chunk(self) -> bool:
+        """The next chunk of the long prompt being prefilled (`SchedulerConfig.prefill_chunk` tokens,
+        continuing the caches its last chunk wrote); after the last one its row joins the batch. False
+        while that chunk's program is still being compiled (running rows keep stepping)."""
+        job, c = self._chunked, self.config.prefill_chunk
+        ids = job.req.prompt_ids
+        n = min(c, len(ids) - job.done)
+        last = job.done + n == len(ids)
+        t = self.prompt_bucket(n)
+        if not self.ready.prefill_ready(1, t):
+            self.ready.want_prefill(1, t)
+            return False
+        if last and not any(b >= sum(r is not None for r in self.slots) + 1 for b in self.buckets
+                            if self.ready.bucket_ready(b)):
+            return False
+        try:
+            tokens, lens = pad_prompts([ids[job.done: job.done + n]], 1, t)
+            t0 = time.perf_counter()
+            job.state = self.engine.run_prefill(tokens, lens, self.cache_len, self.draft_len,
+                                                self._newcomer_params([job.req], 1), prev=job.state,
+                                                follow=[-1 if last else ids[job.done + n]])
+            job.done += n
+            job.seconds += time.perf_counter() - t0
+            if not last:
+                job.state.root.block_until_ready()  # one chunk per loop iteration, then the running rows' step
+                return True
+            t0 = time.perf_counter()
+            first = self._place([job.req], job.state, 1)
+            job.seconds += time.perf_counter() - t0
+        except Exception as e:
+            self._chunked = None
+            self._prefill_failed([job.req], e)
+            return True
+        self._chunked = None
+        self._count_prefill([job.req], job.seconds)
+        self._started([job.req], first)
+        return True
+
+    def _newcomer_params(self, newcomers, b: int) -> SamplingParams:
+        return SamplingParams.make(len(newcomers), [r.temperature for r in newcomers], [r.top_k for r in newcomers],
+                                   [r.top_p for r in newcomers], [r.seed for r in newcomers]).pad_to(b)
+
+    def _place(self, newcomers, new: DecodeState, b: int):
+        """Scatters prefilled rows (`new`, b rows, the first len(newcomers) real) into free slots of the
+        batch, gathering it into a larger bucket first when it is full. Returns their first tokens."""
+        ready = [x for x in self.buckets if self.ready.bucket_ready(x)]
+        need = sum(r is not None for r in self.slots) + len(newcomers)
+        if self.state is None or need > len(self.slots):
+            self._resize(next(x for x in ready if x >= need))
+        free_slots = [i for i, r in enumerate(self.slots) if r is None][: len(newcomers)]
+        dst = np.asarray(free_slots + [len(self.slots)] * (b - len(newcomers)), np.int32)
+        self.state = insert_rows(self.state, new, jnp.asarray(dst))
+        first = np.asarray(new.root)
+        for slot, r in zip(free_slots, newcomers):
             self.slots[slot] = r
             r.slot = slot
+        return first
+
+    def _prefill_failed(self, newcomers, e: Exception) -> None:
+        log.exception("prefill failed")
+        with self._lock:
+            self._n_running -= len(newcomers)
+        for r in newcomers:
+            if r.slot is not None and r.slot < len(self.slots) and self.slots[r.slot] is r:
+                self.slots[r.slot] = None
+            self._fail(r, f"prefill failed: {e}")
+        self._recover_if_broken()
+
+    def _count_prefill(self, newcomers, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.inc("eagle_prefills_total")
+            self.metrics.inc("eagle_prefill_seconds_total", seconds)
+            self.metrics.inc("eagle_prompt_tokens_total", sum(len(r.prompt_ids) for r in newcomers))
+
+    def _started(self, newcomers, first) -> None:
+        """Newcomers placed in the batch: their streams, and their first token (the prefill's root)."""
+        self._params = None
+        for r in newcomers:
             r.stream = TokenStream(self.target.tokenizer, max_tokens=r.max_tokens,
                                    eos_ids=() if r.ignore_eos else self.eos, stop=r.stop)
-            self.synced[slot] = self.head is not None
-        for i, (slot, r) in enumerate(zip(free_slots, newcomers)):
-            self._deliver(slot, [int(first[i])])
+            self.synced[r.slot] = self.head is not None
+        for i, r in enumerate(newcomers):
+            self._deliver(r.slot, [int(first[i])])
 
     def prompt_bucket(self, n: int) -> int:
         # Half-octave buckets, but never wider than the cache the prompt is written into.
@@ -473,7 +476,7 @@ class Scheduler:
         req = self.slots[slot]
         out = tokens[: req.stream.push(tokens)]
         if out:
-            req._emit(Event("tokens", tokens=tuple(out), text=req.stream.delta()))
+            req.emit(Event("tokens", tokens=tuple(out), text=req.stream.delta()))
             if self.metrics is not None:
                 self.metrics.inc("eagle_generation_tokens_total", len(out))
         if req.stream.done:

@@ -110,18 +110,20 @@ def test_rows_that_stop_early_do_not_disturb_the_others(oracle):
 def test_no_recompilation_across_steps_or_calls(oracle):
     tgt, head = oracle
     tree = TreeConfig(3, 2, 6)
-    eagle_jax.generate(tgt, [PROMPTS[0], PROMPTS[3]], draft=head, tree=tree, max_new_tokens=12)
+    # A cache length no other test uses, so this process has not compiled these programs before.
+    eagle_jax.generate(tgt, [PROMPTS[0], PROMPTS[3]], draft=head, tree=tree, max_new_tokens=12, cache_len=1024)
     greedy = dict(steps.TRACE_COUNTS)
     # A sampling call compiles the steps with sampling paths, once (an all-greedy call's have none).
-    eagle_jax.generate(tgt, [PROMPTS[3], PROMPTS[0]], draft=head, tree=tree, max_new_tokens=12, temperature=1.0)
+    eagle_jax.generate(tgt, [PROMPTS[3], PROMPTS[0]], draft=head, tree=tree, max_new_tokens=12, temperature=1.0,
+                       cache_len=1024)
     before = dict(steps.TRACE_COUNTS)
     assert before == {k: greedy.get(k, 0) + 1 for k in ("prefill", "step")} | {
         k: v for k, v in greedy.items() if k not in ("prefill", "step")}
-    # Same buckets (batch 2, prompts <= 16 tokens, cache 128), other prompts, lengths and sampling settings.
+    # Same buckets (batch 2, prompts <= 16 tokens, cache 1024), other prompts, lengths and sampling settings.
     r = eagle_jax.generate(tgt, [PROMPTS[2], [5] * 9], draft=head, tree=tree, max_new_tokens=20,
-                           temperature=0.8, top_k=5, top_p=0.9, seed=5)
+                           temperature=0.8, top_k=5, top_p=0.9, seed=5, cache_len=1024)
     assert r.stats["steps"] > 3
-    r = eagle_jax.generate(tgt, [PROMPTS[2], [5] * 9], draft=head, tree=tree, max_new_tokens=20)
+    r = eagle_jax.generate(tgt, [PROMPTS[2], [5] * 9], draft=head, tree=tree, max_new_tokens=20, cache_len=1024)
     assert r.stats["steps"] > 3
     assert dict(steps.TRACE_COUNTS) == before
 
@@ -465,3 +467,30 @@ def test_auto_tree_measures_a_profile_when_none_is_cached(tmp_path, monkeypatch)
     assert len(list(tmp_path.glob("*.json"))) == 1  # cached for the next call
     # Measuring compiled each candidate exactly as the engine calls it: generating compiled nothing more.
     assert traced == [steps.TRACE_COUNTS["step"]]
+
+
+@pytest.mark.parametrize("head_kind", [None, "eagle3"], ids=["plain", "eagle3"])
+def test_a_prefill_in_chunks_leaves_the_state_a_whole_prefill_leaves(deep_target, head_kind):
+    """Chunks continue the caches the last chunk wrote (`follow` is the prompt's next token, so the
+    draft's pair at each chunk boundary is right): the target and draft caches, the root and the
+    draft's root prediction equal those of one prefill over the whole prompt."""
+    tgt = deep_target
+    head = None if head_kind is None else random_head(tgt.cfg, head_kind, seed=2, draft_vocab_size=60)
+    eng = engine.Engine(tgt, head)
+    prompt = [(7 * i + 5) % 90 + 3 for i in range(37)]
+    s_len, d_len, params = 64, 80, SamplingParams.make(1)
+    whole = eng.run_prefill(*rows.pad_prompts([prompt], 1, 48), s_len, d_len, params)
+    st = None
+    for a, n, t in ((0, 16, 16), (16, 16, 16), (32, 5, 16)):  # 16 + 16 + 5 (right-padded)
+        follow = [prompt[a + n] if a + n < len(prompt) else -1]
+        st = eng.run_prefill(*rows.pad_prompts([prompt[a:a + n]], 1, t), s_len, d_len, params, prev=st,
+                             follow=follow)
+    assert int(st.root[0]) == int(whole.root[0]) and int(st.cache.lengths[0]) == len(prompt)
+    n = len(prompt)
+    for got, want in zip(st.cache.k + st.cache.v, whole.cache.k + whole.cache.v):
+        np.testing.assert_allclose(np.asarray(got)[:, :n], np.asarray(want)[:, :n], rtol=1e-5, atol=1e-5)
+    if head is not None:
+        assert int(st.draft_cache.lengths[0]) == int(whole.draft_cache.lengths[0]) == n
+        for got, want in zip(st.draft_cache.k + st.draft_cache.v, whole.draft_cache.k + whole.draft_cache.v):
+            np.testing.assert_allclose(np.asarray(got)[:, :n], np.asarray(want)[:, :n], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(st.root_hidden), np.asarray(whole.root_hidden), rtol=1e-5, atol=1e-5)

@@ -3,6 +3,7 @@ incremental detokeniser."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -10,7 +11,8 @@ import pytest
 
 import eagle_jax
 from eagle_jax.harness import FixedPolicy
-from eagle_jax.serve.scheduler import QueueFull, Request, Scheduler, SchedulerConfig
+from eagle_jax.serve.requests import QueueFull, Request, SchedulerConfig
+from eagle_jax.serve.scheduler import Scheduler
 from eagle_jax.stream import TokenStream
 from eagle_jax.tree import TreeConfig
 from builders import PROMPTS, oracle_pair, tiny_target
@@ -216,3 +218,79 @@ def test_requests_made_during_preparation_equal_plain_greedy_and_speculation_joi
     assert col.tokens == want  # greedy: token for token what plain decoding gives, before and after
     assert set(chosen[n_plain:]) == {"3,2,6"}  # the tree's steps joined once compiled
     assert dict(steps.TRACE_COUNTS) == before
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "spec"])
+def test_long_prompts_are_prefilled_in_chunks_between_the_running_rows_steps(speculative, monkeypatch):
+    """A prompt longer than prefill_chunk is prefilled alone, a chunk per loop iteration, with the running
+    rows stepping in between; its output is what the whole prompt's one-shot prefill gives (greedy: plain
+    decoding; sampled: the same server unchunked), and it speculates afterwards like any row. A request
+    cancelled mid-prefill ends cleanly."""
+    if speculative:
+        target, head = oracle_pair()
+        policy = FixedPolicy(TreeConfig(3, 2, 6))
+    else:
+        target, head, policy = tiny_target(), None, FixedPolicy(None)
+    cfg = SchedulerConfig(max_batch=4, max_model_len=128, batch_buckets=(1, 4), prefill_batches=(1, 2),
+                          prefill_chunk=16)
+    sched = Scheduler(target, head, policy, cfg)
+    calls = []
+    run_prefill, run_step = sched.engine.run_prefill, sched.engine.run_step
+
+    def logged_prefill(tokens, *a, prev=None, follow=None, **k):
+        calls.append(("chunk" if follow is not None else "prefill", tokens.shape[1], prev is not None))
+        return run_prefill(tokens, *a, prev=prev, follow=follow, **k)
+
+    monkeypatch.setattr(sched.engine, "run_prefill", logged_prefill)
+    monkeypatch.setattr(sched.engine, "run_step", lambda *a, **k: (calls.append(("step",)), run_step(*a, **k))[1])
+    long_a = [(7 * i + 3) % 97 + 1 for i in range(41)]  # chunks of 16 + 16 + 9 tokens
+    long_b = [(5 * i + 11) % 89 + 2 for i in range(70)]
+    prompts, max_tokens, temps = [PROMPTS[1], long_a, long_b, PROMPTS[0]], [40, 20, 16, 6], [0.0, 0.0, 0.8, 0.0]
+
+    def request(i, sink):
+        return Request(prompts[i], max_tokens[i], temperature=temps[i], seed=3, sink=sink)
+
+    col = Collector(5)
+    reqs = [request(i, col.sink(i)) for i in range(4)]
+    doomed = Request(long_b, 10, sink=col.sink(4))
+    sched.submit(reqs[0])
+    sched.start()
+    try:
+        deadline = time.time() + 120
+        while not col.tokens[0] and time.time() < deadline:
+            time.sleep(0.005)
+        for r in reqs[1:]:
+            sched.submit(r)
+        while col.left > 1 and time.time() < deadline:
+            time.sleep(0.01)
+        assert col.left == 1
+        sched.submit(doomed)
+        while sched._chunked is None and doomed.finish_reason is None:
+            time.sleep(0.001)
+        sched.cancel(doomed)
+        assert col.done.wait(60)
+    finally:
+        sched.shutdown()
+    seen = list(calls)  # (the references below run on the same engine)
+    for i in (0, 1, 3):
+        assert col.tokens[i] == eagle_jax.generate(target, [prompts[i]], max_new_tokens=max_tokens[i]).token_ids[0], i
+    # The sampled long prompt, prefilled at once by the same server: the same tokens.
+    whole = Scheduler(target, head, policy, dataclasses.replace(cfg, prefill_chunk=128))
+    ref = Collector(1)
+    whole.submit(request(2, ref.sink(0)))
+    whole.start()
+    try:
+        assert ref.done.wait(60)
+    finally:
+        whole.shutdown()
+    assert col.tokens[2] == ref.tokens[0] and len(ref.tokens[0]) == max_tokens[2]
+    assert col.end[:4] == ["length"] * 4 and col.end[4] == "cancelled" and col.tokens[4] == []
+    assert sched._chunked is None and sched.counts()["running"] == 0
+    chunks = [c[2] for c in seen if c[0] == "chunk"]  # whether each chunk continued an earlier one
+    # PROMPTS[1] (19 tokens): 16 + 3; long_a: 16 + 16 + 9; long_b: 4 x 16 + 6 (every chunk in bucket 16);
+    # then the cancelled one's first chunks. Requests of at most 16 tokens are prefilled at once.
+    assert chunks[:10] == [False, True] + [False, True, True] + [False, True, True, True, True], seen
+    assert {c[1] for c in seen if c[0] != "step"} == {16}
+    # The running row stepped between the long prompts' chunks.
+    first = seen.index(("chunk", 16, False), 1)
+    assert [c[0] for c in seen[first: first + 5]] == ["chunk", "step", "chunk", "step", "chunk"], seen
