@@ -36,7 +36,7 @@ class ServeConfig:
     batch_buckets: tuple[int, ...] = ()  # default: powers of two up to max_batch
     prefill_batches: tuple[int, ...] = (1, 4)
     prefill_tokens: int = 2048
-    prefill_chunk: int = 128
+    prefill_chunk: int = 64
     profile_dir: str | None = None  # default ~/.cache/eagle_jax/harness
     reprofile: bool = False
     profile_reps: int = 5

@@ -76,7 +76,7 @@ class SchedulerConfig:
     prefill_tokens: int = 2048  # padded prompt tokens per prefill of short prompts
     # A prompt longer than this is prefilled alone, this many tokens per loop iteration (each chunk
     # continues the caches the last one wrote), so running rows step between its chunks.
-    prefill_chunk: int = 128
+    prefill_chunk: int = 64
     max_queue: int = 256  # waiting requests beyond the running ones before QueueFull
     shrink_patience: int = 8
 
