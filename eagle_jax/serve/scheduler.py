@@ -280,8 +280,11 @@ class Scheduler:
             self._n_running += len(out)
         return out
 
+    def _ready_buckets(self) -> list[int]:
+        return [b for b in self.buckets if self.ready.bucket_ready(b)]
+
     def _admit(self) -> None:
-        ready = [b for b in self.buckets if self.ready.bucket_ready(b)]
+        ready = self._ready_buckets()
         free = (ready[-1] if ready else 0) - self._n_running
         if free <= 0 or not self._waiting:
             return
@@ -315,15 +318,13 @@ class Scheduler:
         if not self.ready.prefill_ready(1, t):
             self.ready.want_prefill(1, t)
             return False
-        if last and not any(b >= sum(r is not None for r in self.slots) + 1 for b in self.buckets
-                            if self.ready.bucket_ready(b)):
+        if last and not any(b > sum(r is not None for r in self.slots) for b in self._ready_buckets()):
             return False
         try:
             tokens, lens = pad_prompts([ids[job.done: job.done + n]], 1, t)
             t0 = time.perf_counter()
-            job.state = self.engine.run_prefill(tokens, lens, self.cache_len, self.draft_len,
-                                                self._newcomer_params([job.req], 1), prev=job.state,
-                                                follow=[-1 if last else ids[job.done + n]])
+            job.state = self._prefill(tokens, lens, self._newcomer_params([job.req], 1), prev=job.state,
+                                      follow=[-1 if last else ids[job.done + n]])
             job.done += n
             job.seconds += time.perf_counter() - t0
             if not last:
@@ -348,7 +349,7 @@ class Scheduler:
     def _place(self, newcomers, new: DecodeState, b: int):
         """Scatters prefilled rows (`new`, b rows, the first len(newcomers) real) into free slots of the
         batch, gathering it into a larger bucket first when it is full. Returns their first tokens."""
-        ready = [x for x in self.buckets if self.ready.bucket_ready(x)]
+        ready = self._ready_buckets()
         need = sum(r is not None for r in self.slots) + len(newcomers)
         if self.state is None or need > len(self.slots):
             self._resize(next(x for x in ready if x >= need))
@@ -391,9 +392,10 @@ class Scheduler:
         # Half-octave buckets, but never wider than the cache the prompt is written into.
         return min(length_bucket(n), self.cache_len)
 
-    def _prefill(self, tokens, lens, params) -> DecodeState:
-        """Prefills a batch of newcomers [b, t] into a fresh state of the running cache length."""
-        return self.engine.run_prefill(tokens, lens, self.cache_len, self.draft_len, params)
+    def _prefill(self, tokens, lens, params, prev=None, follow=None) -> DecodeState:
+        """Prefills a batch of newcomers [b, t] into a fresh state of the running cache length, or the
+        next chunk of a long prompt into `prev` (see `Engine.run_prefill`)."""
+        return self.engine.run_prefill(tokens, lens, self.cache_len, self.draft_len, params, prev=prev, follow=follow)
 
     def _recover_if_broken(self) -> None:
         """After a failed jitted call the donated state may be gone: fail the running rows and start over."""

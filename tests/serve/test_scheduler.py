@@ -41,13 +41,17 @@ class Collector:
         return on_event
 
 
-@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "spec"])
-def test_batch_shrinks_and_grows_between_steps_without_changing_any_output(speculative, monkeypatch):
+def models(speculative: bool):
+    """(target, head, policy): the oracle pair with a fixed 3,2,6 tree, or a tiny target decoding plainly."""
     if speculative:
         target, head = oracle_pair()
-        policy = FixedPolicy(TreeConfig(3, 2, 6))
-    else:
-        target, head, policy = tiny_target(), None, FixedPolicy(None)
+        return target, head, FixedPolicy(TreeConfig(3, 2, 6))
+    return tiny_target(), None, FixedPolicy(None)
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "spec"])
+def test_batch_shrinks_and_grows_between_steps_without_changing_any_output(speculative, monkeypatch):
+    target, head, policy = models(speculative)
     cfg = SchedulerConfig(max_batch=4, max_model_len=96, batch_buckets=(1, 4), prefill_batches=(1, 4),
                           shrink_patience=2)
     sched = Scheduler(target, head, policy, cfg)
@@ -226,11 +230,7 @@ def test_long_prompts_are_prefilled_in_chunks_between_the_running_rows_steps(spe
     rows stepping in between; its output is what the whole prompt's one-shot prefill gives (greedy: plain
     decoding; sampled: the same server unchunked), and it speculates afterwards like any row. A request
     cancelled mid-prefill ends cleanly."""
-    if speculative:
-        target, head = oracle_pair()
-        policy = FixedPolicy(TreeConfig(3, 2, 6))
-    else:
-        target, head, policy = tiny_target(), None, FixedPolicy(None)
+    target, head, policy = models(speculative)
     cfg = SchedulerConfig(max_batch=4, max_model_len=128, batch_buckets=(1, 4), prefill_batches=(1, 2),
                           prefill_chunk=16)
     sched = Scheduler(target, head, policy, cfg)
@@ -265,7 +265,7 @@ def test_long_prompts_are_prefilled_in_chunks_between_the_running_rows_steps(spe
             time.sleep(0.01)
         assert col.left == 1
         sched.submit(doomed)
-        while sched._chunked is None and doomed.finish_reason is None:
+        while sched._chunked is None and doomed.finish_reason is None and time.time() < deadline + 60:
             time.sleep(0.001)
         sched.cancel(doomed)
         assert col.done.wait(60)
