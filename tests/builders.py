@@ -6,7 +6,9 @@ Test modules import from here (never from each other); `conftest.py` wraps the c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import math
 
@@ -19,6 +21,30 @@ from eagle_jax.draft import random_head
 from eagle_jax.loader import Target
 from eagle_jax.model import random_model
 from eagle_jax.tree import parse_tree, tree_name
+
+# --- command-line entry points ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class CliResult:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_main(main, *args) -> CliResult:
+    """A CLI's `main(argv)` called in this process, as `python -m ...` would run it, with its exit code and
+    output. An exception other than the exit propagates and fails the test: a clear error is an exit code
+    and a message, never a traceback. The CLIs' subprocess paths (runpy, `sys.exit`) are the documented
+    commands' tests (test_docs.py) and the `--help` checks."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main([str(a) for a in args])
+        except SystemExit as e:  # argparse's errors and --help
+            rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return CliResult(rc, out.getvalue(), err.getvalue())
+
 
 # --- JAX targets and heads -------------------------------------------------------------------------------
 

@@ -170,7 +170,7 @@ def main(argv=None) -> int:
     data_dir = Path(d.get("dir", out / "data"))
     try:
         prompts = collect_prompts(target, d.get("sources", []), data_dir, base, str(args.recipe))
-    except RecipeError as e:
+    except (RecipeError, data.EvalContaminationError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"[data] {len(prompts)} prompts", flush=True)

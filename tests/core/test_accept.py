@@ -60,6 +60,7 @@ def test_greedy_acceptance_follows_the_argmax_path():
     np.testing.assert_array_equal(np.asarray(out.path[0]), [0, 1, 1])
 
 
+@pytest.mark.slow
 def test_the_greedy_fast_path_equals_the_general_rule():
     # Random logits over a small vocabulary, so children often match the argmax at every depth.
     rng = np.random.default_rng(1)

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from eagle_jax.bench import load_dataset
+from eagle_jax.bench import load_dataset, main
+from builders import run_main
 
 REQUIRED = {"dataset", "batch_size", "temperature", "prompts", "plain_tokens_per_s", "spec_tokens_per_s", "speedup",
             "tau", "accept_histogram", "greedy_identical"}
@@ -30,13 +31,13 @@ def test_builtin_datasets_and_jsonl(tmp_path):
 
 
 def test_errors_are_clear(tmp_path):
-    out = _run("--dataset", str(tmp_path / "none.jsonl"))
+    out = run_main(main, "--no-progress", "--dataset", str(tmp_path / "none.jsonl"))
     assert out.returncode == 2 and "none.jsonl" in out.stderr and "Traceback" not in out.stderr
-    out = _run("--tree", "2,2,50")
+    out = run_main(main, "--no-progress", "--tree", "2,2,50")
     assert out.returncode == 2 and "tree_tokens" in out.stderr
-    out = _run("--tree", "3,4,8", "--candidates", "2,2,4")
+    out = run_main(main, "--no-progress", "--tree", "3,4,8", "--candidates", "2,2,4")
     assert out.returncode == 2 and "--candidates" in out.stderr and "--tree auto" in out.stderr
-    out = _run("--tree", "auto", "--candidates", "off")
+    out = run_main(main, "--no-progress", "--tree", "auto", "--candidates", "off")
     assert out.returncode == 2 and "no draft tree" in out.stderr
 
 

@@ -8,6 +8,7 @@ import pytest
 from builders import memory_maps, release_compiled_code
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(memory_maps() is None, reason="needs /proc (Linux)")
 def test_dropping_the_caches_gives_back_the_mappings_of_compiled_code():
     release_compiled_code(fraction=0.0)  # start from nothing held

@@ -34,7 +34,7 @@ def oracle_and_plain():
     return tgt, head, prompts, plain
 
 
-@pytest.mark.parametrize("implementation", ["tpu", "gpu"])
+@pytest.mark.parametrize("implementation", [pytest.param("tpu", marks=pytest.mark.slow), "gpu"])
 def test_greedy_with_the_kernel_forced_on_equals_plain_greedy(oracle_and_plain, implementation, monkeypatch):
     tgt, head, prompts, plain = oracle_and_plain
     module = importlib.import_module(f"pallas_kernels.{implementation}")

@@ -282,6 +282,7 @@ def test_a_vocabulary_map_that_is_not_one_to_one_is_refused(deep_target, tmp_pat
     assert load_draft(good, deep_target.cfg).cfg.draft_vocab_size == 60  # the file itself was fine
 
 
+@pytest.mark.slow
 def test_switching_tree_configs_between_steps_needs_no_recompile_and_stays_lossless(oracle):
     """A scheduler may pick any precompiled TreeConfig (or none) per step over the same state."""
     from eagle_jax.sampling import SamplingParams
@@ -380,6 +381,7 @@ def test_plain_steps_leave_pairs_the_draft_catches_up_on(deep_target, plain):
 
 # --- tree="auto": the harness picks a tree or a plain step every step ----------------------------------
 
+@pytest.mark.slow
 def test_auto_tree_is_lossless_and_follows_the_costs(tmp_path):
     from eagle_jax import harness
 

@@ -8,6 +8,8 @@ import sys
 import pytest
 
 import eagle_jax
+from eagle_jax.generate import main
+from builders import run_main
 
 
 def _run(*args, timeout=300):
@@ -15,6 +17,7 @@ def _run(*args, timeout=300):
                           timeout=timeout)
 
 
+@pytest.mark.slow  # a fresh interpreter: `python -m` must not warn that the module was already imported
 def test_help_documents_every_flag():
     out = _run("--help")
     assert out.returncode == 0
@@ -25,7 +28,7 @@ def test_help_documents_every_flag():
 
 
 def test_missing_model_is_a_clear_error_not_a_traceback(tmp_path):
-    out = _run("--model", str(tmp_path / "nope.gguf"), "--prompt", "hi")
+    out = run_main(main, "--model", tmp_path / "nope.gguf", "--prompt", "hi")
     assert out.returncode == 2
     assert "nope.gguf" in out.stderr and "Traceback" not in out.stderr
 
@@ -81,13 +84,13 @@ def test_random_draft_from_the_cli_keeps_the_greedy_text(tmp_path, tiny_chat_mod
 
 
 def test_bad_tree_flags_are_a_clear_error():
-    out = _run("--model", "smollm2-135m-instruct", "--prompt", "hi", "--draft", "random", "--tree", "2,2,50")
+    out = run_main(main, "--model", "smollm2-135m-instruct", "--prompt", "hi", "--draft", "random", "--tree", "2,2,50")
     assert out.returncode == 2 and "tree_tokens" in out.stderr and "Traceback" not in out.stderr
-    out = _run("--model", "smollm2-135m-instruct", "--prompt", "hi", "--draft", "random", "--tree", "d2k2n5")
+    out = run_main(main, "--model", "smollm2-135m-instruct", "--prompt", "hi", "--draft", "random", "--tree", "d2k2n5")
     assert out.returncode == 2 and "DEPTH,TOPK,TOKENS" in out.stderr and "Traceback" not in out.stderr
-    out = _run("--model", "smollm2-135m-instruct", "--prompt", "hi", "--draft", "random", "--tree", "3,4,8",
+    out = run_main(main, "--model", "smollm2-135m-instruct", "--prompt", "hi", "--draft", "random", "--tree", "3,4,8",
                "--candidates", "2,2,4")
     assert out.returncode == 2 and "--tree auto" in out.stderr and "Traceback" not in out.stderr
-    out = _run("--model", "smollm2-135m-instruct", "--prompt", "hi", "--draft", "random", "--tree", "auto",
+    out = run_main(main, "--model", "smollm2-135m-instruct", "--prompt", "hi", "--draft", "random", "--tree", "auto",
                "--candidates", "2,2,50")
     assert out.returncode == 2 and "tree_tokens" in out.stderr and "Traceback" not in out.stderr

@@ -52,6 +52,16 @@ CASES = [
     (3, 64, 1, 128, jnp.float32),
     (1, 64, 4, 64, jnp.bfloat16),
 ]
+# The quick loop (`-m "not slow"`) checks three cases that between them cover decode, GQA and MHA, both
+# dtypes, one and three rows and a tree over several kv blocks; CI checks all of them.
+QUICK_CASES = (0, 3, 6)
+
+
+def case_params(indices=range(len(CASES))):
+    return [pytest.param(CASES[i], id=_case_id(CASES[i]), marks=() if i in QUICK_CASES else pytest.mark.slow)
+            for i in indices]
+
+
 TREES = {5: TreeConfig(2, 2, 5), 16: TreeConfig(4, 4, 16), 26: TreeConfig(4, 4, 26), 64: TreeConfig(4, 8, 64)}
 
 
@@ -132,7 +142,7 @@ class KernelCases:
         np.testing.assert_allclose(out, ref, rtol=tol, atol=tol)
 
     @pytest.mark.parametrize("name", ["tpu", "gpu"])
-    @pytest.mark.parametrize("case", CASES, ids=_case_id)
+    @pytest.mark.parametrize("case", case_params())
     def test_kernel_matches_reference_on_real_trees_with_nan_past_the_tree(self, name, case):
         kernel = self.kernel(name)
         b, n, g, d, dtype = case
@@ -169,7 +179,7 @@ class TestKernelsInterpreted(KernelCases):
 
 
 @pytest.mark.skipif(not hasattr(pltpu, "InterpretParams"), reason="this JAX has no TPU interpreter")
-@pytest.mark.parametrize("case", [CASES[0], CASES[3], CASES[4], CASES[9]], ids=_case_id)
+@pytest.mark.parametrize("case", case_params([0, 3, 4, 9]))
 def test_tpu_kernel_under_the_tpu_interpreter_matches_reference(case):
     # The TPU interpreter also models DMAs, VMEM scratch and scalar prefetch (and poisons
     # uninitialised memory with NaN), unlike the generic interpreter.
@@ -271,6 +281,7 @@ def test_kernels_lower_for_their_hardware_at_serving_shapes(n, g, d):
         assert "triton" in _lower(tree_attention_gpu, "cuda", *shapes)
 
 
+@pytest.mark.slow  # a fresh interpreter compiling every kernel case
 def test_benchmark_smoke_run_writes_a_table_and_json(tmp_path):
     out = tmp_path / "bench.json"
     from doc_commands import argv, doc_command

@@ -149,6 +149,7 @@ def test_token_stream_ends_rows_at_eos_or_max_tokens():
         TokenStream(None, max_tokens=0)
 
 
+@pytest.mark.slow
 def test_background_preparation_compiles_everything_serving_runs():
     from eagle_jax import steps
 

@@ -12,7 +12,7 @@ import pytest
 from eagle_jax.serve import ConfigError, ServeConfig, create_app, load_preset
 from eagle_jax.serve.__main__ import build_config, build_parser, main
 from eagle_jax.tree import TreeConfig
-from builders import tiny_target
+from builders import run_main, tiny_target
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,7 +48,7 @@ def test_cli_reports_config_errors_with_exit_code_2(tmp_path, capsys):
     assert "bad.toml" in err and "colour" in err
     assert main(["--speculation", "sometimes"]) == 2
     assert "speculation must be" in capsys.readouterr().err
-    out = subprocess.run([sys.executable, "-m", "eagle_jax.serve", "--help"], capture_output=True, text=True, cwd=ROOT)
+    out = run_main(main, "--help")
     assert out.returncode == 0
     for flag in ("--preset", "--model", "--draft", "--host", "--port", "--api-key", "--max-batch", "--max-model-len",
                  "--speculation", "--reprofile"):

@@ -101,6 +101,7 @@ def test_shards_hold_prompt_plus_target_answer_and_resume_exactly(tiny_with_real
         data.generate_dataset(tgt, changed, tmp_path / "grown", settings)
 
 
+@pytest.mark.slow
 def test_multi_turn_conversations_hold_every_answer_under_the_loss_mask(tiny_with_real_tokenizer, tmp_path):
     tgt = tiny_with_real_tokenizer
     tok = tgt.tokenizer

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from builders import run_main
 from eagle_jax.loader import gguf_reader, builtin_path, gguf_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,6 +57,13 @@ def tiny_model_dir(tmp_path_factory):
     transformers.LlamaForCausalLM(cfg).save_pretrained(d)
     tok.save_pretrained(d)
     return d
+
+
+def _run_here(recipe, *extra):
+    """The same command in this process (error paths: no fresh interpreter needed)."""
+    from eagle_jax.train.__main__ import main
+
+    return run_main(main, "--recipe", recipe, "--json", *extra)
 
 
 def _run(recipe, *extra):
@@ -122,11 +130,11 @@ def test_recipe_runs_end_to_end_resumes_and_exports_a_loadable_head(tiny_model_d
 def test_recipe_errors_name_the_problem(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[target]\nmodel='x'\n[head]\n[data]\n[train]\nlearning_rate = 1\n")
-    out = _run(bad)
+    out = _run_here(bad)
     assert out.returncode == 2 and "learning_rate" in out.stderr and "[train]" in out.stderr
-    out = _run(tmp_path / "missing.toml")
+    out = _run_here(tmp_path / "missing.toml")
     assert out.returncode == 2 and "missing.toml" in out.stderr
-    out = _run(REPO / "train" / "smollm2-135m-cpu-demo.toml", "--max-new-tokens", "0", "--out-dir", str(tmp_path / "o"))
+    out = _run_here(REPO / "train" / "smollm2-135m-cpu-demo.toml", "--max-new-tokens", "0", "--out-dir", str(tmp_path / "o"))
     assert out.returncode == 2 and "--max-new-tokens" in out.stderr and "got 0" in out.stderr
 
 
@@ -139,8 +147,8 @@ def test_recipe_with_an_eval_prompt_is_refused(tiny_model_dir, tmp_path):
     recipe = tmp_path / "r.toml"
     recipe.write_text(RECIPE.format(model=tiny_model_dir, kind="eagle3", out=tmp_path / "run", jsonl=jsonl,
                                     features="online"))
-    out = _run(recipe)
-    assert out.returncode != 0 and "MT-bench" in out.stderr
+    out = _run_here(recipe)
+    assert out.returncode == 2 and "MT-bench" in out.stderr and "prompt 0" in out.stderr
 
 
 def test_shipped_recipes_parse():
