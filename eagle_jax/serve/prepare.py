@@ -10,7 +10,10 @@ costs no memory beyond the programs), every program serving runs:
 2. the same for every larger batch bucket, and prefills of up to `prefill_batches[-1]` prompts;
 3. prefills of prompt buckets above 128 tokens, up to `prefill_chunk` (a longer prompt is prefilled in
    chunks of the compiled sizes);
-4. every candidate tree's step at every batch bucket (speculation joins a bucket tree by tree).
+4. every candidate tree's step at every batch bucket (speculation joins a bucket tree by tree), except
+   where the cost profile already shows the tree cannot beat plain decoding (`hopeless`): such a
+   program is skipped, which saves its memory (tens of MB of compiled code each) and, on a restart
+   from a cached profile, its load time.
 
 A request whose prefill is not compiled yet moves that prefill to the front of the queue and waits in
 the scheduler's queue, while running rows keep stepping: nothing compiles inside a served step. The
@@ -80,6 +83,7 @@ class Preparation(OnDemand):
         self._done: set = set()
         self._tasks: collections.OrderedDict = collections.OrderedDict()  # key -> callable, in run order
         self._failed: dict = {}
+        self._skipped: dict = {}  # key -> why the program is not needed (`hopeless`)
         self._stop = False
         self._wake = threading.Event()
         self.thread: threading.Thread | None = None
@@ -123,6 +127,13 @@ class Preparation(OnDemand):
     def _compile_step(self, bucket: int, tree) -> None:
         self.s.engine.compile_step(bucket, self.s.cache_len, self.s.draft_len, tree)
 
+    def _skip(self, key) -> str | None:
+        """Why the program of this task is not needed (a tree step the cost profile shows cannot win at its
+        bucket: `hopeless`), or None."""
+        if key[0] != "step" or key[2] == "off":
+            return None
+        return hopeless(self.s.profile, key[1], next(t for t in self.s.trees if t.name == key[2]))
+
     def _compile_prefill(self, batch: int, tokens: int) -> None:
         self.s.engine.compile_prefill(batch, tokens, self.s.cache_len, self.s.draft_len)
 
@@ -154,27 +165,37 @@ class Preparation(OnDemand):
                 key, fn = next(iter(self._tasks.items()))
                 self.current = key
             t0 = time.perf_counter()
+            skipped = self._skip(key)
             try:
-                fn()
+                if skipped is None:
+                    fn()
             except Exception as e:  # a program that cannot compile is compiled on first use instead
                 log.exception("preparing %s failed", key)
                 self._failed[key] = f"{type(e).__name__}: {e}"
-            release_free_memory()
+            if skipped is None:
+                release_free_memory()
             dt = time.perf_counter() - t0
             with self._lock:
                 self._tasks.pop(key, None)
-                self._done.add(key)
+                if skipped is None:
+                    self._done.add(key)
+                else:
+                    self._skipped[key] = skipped
                 self.current = None
                 left = len(self._tasks)
-            log.log(logging.INFO if key[0] != "rows" else logging.DEBUG, "prepared %s in %.1f s (%d of %d, %d left)",
-                    " ".join(map(str, key)), dt, self.total - left, self.total, left)
+            name = " ".join(map(str, key))
+            if skipped is not None:
+                log.info("skipped %s: %s (%d of %d, %d left)", name, skipped, self.total - left, self.total, left)
+            else:
+                log.log(logging.INFO if key[0] != "rows" else logging.DEBUG, "prepared %s in %.1f s (%d of %d, %d left)",
+                        name, dt, self.total - left, self.total, left)
             self.on_progress()
         if not self._stop:
             self.finished_at = time.monotonic()
             built = CompileCounter.counts()
-            log.info("preparation complete: %d programs in %.0f s (this process so far: %d XLA programs compiled, "
-                     "%d read from the persistent compilation cache)", self.total, self.finished_at - self.started_at,
-                     built["compiled"], built["cache"])
+            log.info("preparation complete: %d programs in %.0f s, %d skipped (this process so far: %d XLA programs "
+                     "compiled, %d read from the persistent compilation cache)", self.total - len(self._skipped),
+                     self.finished_at - self.started_at, len(self._skipped), built["compiled"], built["cache"])
             self.on_progress()
 
     def _bump(self, keys) -> None:
@@ -212,11 +233,12 @@ class Preparation(OnDemand):
 
     def snapshot(self) -> dict:
         with self._lock:
-            done, pending, current = len(self._done), list(self._tasks), self.current
+            done, pending, current = len(self._done) + len(self._skipped), list(self._tasks), self.current
+            skipped = {" ".join(map(str, k)): v for k, v in self._skipped.items()}
         now = self.finished_at or time.monotonic()
         s = self.s
         return {"mode": "background", "complete": self.complete, "servable": self.servable,
-                "programs_done": done, "programs_total": self.total, "seconds": round(now - self.started_at, 1)
+                "programs_done": done, "programs_total": self.total, "programs_skipped": skipped, "seconds": round(now - self.started_at, 1)
                 if self.started_at else 0.0, "compiling": None if current is None else " ".join(map(str, current)),
                 "plain_buckets": [b for b in s.buckets if self.bucket_ready(b)],
                 "speculation": {str(b): [t.name for t in s.trees if self.tree_ready(b, t)] for b in s.buckets},
@@ -246,6 +268,28 @@ def choose_step(policy, ready, profile, bucket: int, active: int, synced: int, s
     if not measured:
         return Choice("off", None, float(active), profile.cost(bucket, "off", kind))
     return policy.choose(bucket, active, synced, sampled, allowed=measured)
+
+
+def hopeless(profile, bucket: int, tree) -> str | None:
+    """Why `tree` cannot beat plain decoding at batch bucket `bucket`, or None when it may.
+
+    A tree step emits at most depth + 1 tokens a row where a plain step emits one, so a tree whose step
+    costs more than depth + 1 plain steps loses however much of the draft is accepted. The profile's
+    largest measured bucket at or below `bucket` decides (its greedy costs, else its sampled ones): a
+    tree step's cost grows faster with the batch than a plain step's (the verify forward holds rows x
+    tree tokens), so a tree that cannot win at a smaller bucket cannot win at a larger one. Without a
+    profile (a fixed tree, or plain decoding) nothing is hopeless."""
+    if profile is None:
+        return None
+    for b in sorted((b for b in profile.seconds if b <= bucket), reverse=True):
+        for kind in (False, True):
+            if profile.has(b, tree.name, kind) and profile.has(b, "off", kind):
+                ratio = profile.cost(b, tree.name, kind) / profile.cost(b, "off", kind)
+                if ratio <= tree.depth + 1:
+                    return None
+                return (f"at batch bucket {b} its step costs {ratio:.1f} plain steps, more than the "
+                        f"{tree.depth + 1} tokens a row it can emit")
+    return None
 
 
 def release_free_memory() -> None:

@@ -10,7 +10,9 @@ import time
 import pytest
 
 import eagle_jax
-from eagle_jax.harness import FixedPolicy
+from eagle_jax.harness import FixedPolicy, Harness
+from eagle_jax.profiles import Profile
+from eagle_jax.serve.prepare import hopeless
 from eagle_jax.serve.requests import QueueFull, Request, SchedulerConfig
 from eagle_jax.serve.scheduler import Scheduler
 from eagle_jax.stream import TokenStream
@@ -181,6 +183,55 @@ def test_background_preparation_compiles_everything_serving_runs():
         sched.shutdown()
     assert col.end == ["length"] * 4
     assert dict(steps.TRACE_COUNTS) == before  # no request waited for a compile
+
+
+def test_a_tree_that_costs_more_than_its_depth_plus_one_plain_steps_is_hopeless_there_and_above():
+    chain, wide = TreeConfig.chain(3), TreeConfig(3, 2, 6)  # both emit at most 4 tokens a row
+    prof = Profile("p", {1: {"off": 1.0, "3,1,4": 4.0, "3,2,6": 4.1},
+                         4: {"off": 2.0, "3,1,4": 9.0},
+                         16: {"off:sampled": 3.0, "3,1,4:sampled": 11.0}}, {})
+    assert hopeless(prof, 1, chain) is None  # exactly depth + 1 plain steps: it may still tie, so it stays
+    assert "bucket 1" in hopeless(prof, 1, wide) and "4.1 plain steps" in hopeless(prof, 1, wide)
+    assert "bucket 1" in hopeless(prof, 2, wide)  # nothing measured at 2: the largest smaller bucket decides
+    assert hopeless(prof, 2, chain) is None
+    assert "bucket 4" in hopeless(prof, 4, chain) and "bucket 4" in hopeless(prof, 8, chain)
+    assert hopeless(prof, 16, chain) is None  # only sampled costs at 16: 3.7 plain steps
+    assert hopeless(Profile("p", {}, {}), 1, wide) is None and hopeless(None, 32, wide) is None  # nothing known
+    assert hopeless(Profile("p", {4: {"off": 1.0, "3,2,6": 9.0}}, {}), 2, wide) is None  # larger buckets never decide
+
+
+@pytest.mark.slow
+def test_preparation_skips_the_trees_the_profile_shows_cannot_win_and_serves_the_rest():
+    from eagle_jax import steps
+
+    target, head = oracle_pair()
+    cheap, dear = TreeConfig.chain(2), TreeConfig(3, 2, 6)
+    profile = Profile("given", {1: {"off": 1.0, "2,1,3": 1.5, "3,2,6": 6.0}}, {})
+    sched = Scheduler(target, head, Harness([cheap, dear], profile),
+                      SchedulerConfig(max_batch=2, max_model_len=64, batch_buckets=(1, 2), prefill_batches=(1,)))
+    prep = sched.prepare_in_background(prompt_len=24)
+    sched.start()
+    deadline = time.time() + 120
+    while not prep.complete and time.time() < deadline:
+        time.sleep(0.05)
+    snap = prep.snapshot()
+    assert prep.complete and not snap["failed"] and snap["programs_done"] == snap["programs_total"]
+    assert sorted(snap["programs_skipped"]) == ["step 1 3,2,6", "step 2 3,2,6"]
+    assert "6.0 plain steps" in snap["programs_skipped"]["step 2 3,2,6"]
+    assert snap["speculation"] == {"1": ["2,1,3"], "2": ["2,1,3"]}
+    prompts, max_tokens = [PROMPTS[0], PROMPTS[1]], [20, 14]
+    want = [eagle_jax.generate(target, [p], max_new_tokens=m).token_ids[0] for p, m in zip(prompts, max_tokens)]
+    before = dict(steps.TRACE_COUNTS)
+    col = Collector(2)
+    try:
+        for i in (0, 1):
+            sched.submit(Request(prompts[i], max_tokens[i], sink=col.sink(i)))
+        assert col.done.wait(60)
+    finally:
+        sched.shutdown()
+    assert col.tokens == want
+    assert dict(steps.TRACE_COUNTS) == before  # the skipped tree never ran (it would have compiled)
+    assert sched.policy.counts.get("2,1,3", 0) > 0 and "3,2,6" not in sched.policy.counts
 
 
 def test_requests_made_during_preparation_equal_plain_greedy_and_speculation_joins_once_compiled(monkeypatch):
