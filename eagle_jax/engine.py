@@ -21,7 +21,8 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax import harness, profiles, steps
-from eagle_jax.compiling import param_count
+from eagle_jax.compiling import param_count, quick
+from eagle_jax.programs import ProgramStore, default_store_dir, fingerprint
 from eagle_jax.rows import attention_window as window_bucket
 from eagle_jax.rows import batch_shapes, next_pow2, pad_prompts
 from eagle_jax.sampling import SamplingParams
@@ -79,6 +80,10 @@ class Engine:
         self.graphdef, self.state = nnx.split(target.model)
         self.head_graphdef, self.head_state = nnx.split(head) if head is not None else (None, None)
         self.n_params = param_count(self.state, self.head_state)  # small steps compile unoptimised
+        # Programs compiled (or loaded) ahead of time through a ProgramStore, by shapes and static
+        # arguments; run_prefill / run_step call them directly (`use_store`).
+        self.store: ProgramStore | None = None
+        self.programs: dict[tuple, Any] = {}
         self._profiles: dict = {}  # (batch, cache length, profile dir, candidates) -> cost profile (tree="auto")
         # Candidates' depth -> (greedy, sampled) AcceptanceStats shared by this engine's tree="auto" calls.
         self.acceptance: dict[int, tuple] = {}
@@ -95,6 +100,11 @@ class Engine:
             dcache = self.head.init_cache(b, draft_len) if self.head is not None else None
         else:
             cache, dcache = prev.cache, prev.draft_cache if self.head is not None else None
+        prog = self.programs.get(("prefill", b, tokens.shape[1], cache.max_len, self._draft_len(dcache), sampling))
+        if prog is not None and window is None:
+            follow = jnp.full((b,), -1, jnp.int32) if follow is None else jnp.asarray(follow, jnp.int32)
+            return prog(self.state, self.head_state, jnp.asarray(tokens), jnp.asarray(prompt_lens), cache, dcache,
+                        params, follow)
         return steps.prefill(self.graphdef, self.state, self.head_graphdef, self.head_state, jnp.asarray(tokens),
                              jnp.asarray(prompt_lens), cache, dcache, params, window, sampling, self.n_params,
                              None if follow is None else jnp.asarray(follow, jnp.int32))
@@ -103,26 +113,64 @@ class Engine:
                  window: int | None = None, sampling: bool = True):
         """One step (see `steps.step`); the head rides along with plain steps so its draft can catch up.
         sampling=False compiles the all-greedy program (only for batches whose rows are all greedy)."""
+        if not trace and window is None and self.programs:
+            prog = self.programs.get(("step", s.root.shape[0], s.cache.max_len,
+                                      self._draft_len(s.draft_cache if self.head is not None else None),
+                                      tree_name(tree), sampling))
+            if prog is not None:
+                return prog(self.state, self.head_state, s, params, jnp.asarray(active))
         return steps.step(self.graphdef, self.state, self.head_graphdef, self.head_state, s, params,
                           jnp.asarray(active), tree, trace, window, sampling, self.n_params)
 
     def compile_prefill(self, batch: int, tokens: int, cache_len: int, draft_len: int, sampling: bool = True) -> None:
         """Compiles the prefill of `batch` prompts padded to `tokens` without running it (`steps.compile_prefill`)."""
         b, shape = batch, jax.eval_shape
-        steps.compile_prefill(
-            self.graphdef, self.state, self.head_graphdef, self.head_state,
-            jax.ShapeDtypeStruct((b, tokens), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
-            shape(lambda: self.target.model.init_cache(b, cache_len)),
-            shape(lambda: self.head.init_cache(b, draft_len)) if self.head is not None else None,
-            _abstract(SamplingParams.make(b)), None, sampling, self.n_params)
+        draft_len = draft_len if self.head is not None else 0
+
+        def build():
+            return steps.compile_prefill(
+                self.graphdef, self.state, self.head_graphdef, self.head_state,
+                jax.ShapeDtypeStruct((b, tokens), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
+                shape(lambda: self.target.model.init_cache(b, cache_len)),
+                shape(lambda: self.head.init_cache(b, draft_len)) if self.head is not None else None,
+                _abstract(SamplingParams.make(b)), None, sampling, self.n_params)
+
+        self._keep(("prefill", b, tokens, cache_len, draft_len, sampling), build)
 
     def compile_step(self, batch: int, cache_len: int, draft_len: int, tree: TreeConfig | None,
                      sampling: bool = True) -> None:
         """Compiles one step of `tree` (None: plain) at these shapes without running it (`steps.compile_step`)."""
-        s = jax.eval_shape(lambda: steps.empty_state(self.target, self.head, batch, cache_len, draft_len))
-        steps.compile_step(self.graphdef, self.state, self.head_graphdef, self.head_state, s,
-                           _abstract(SamplingParams.make(batch)),
-                           jax.ShapeDtypeStruct((batch,), jnp.bool_), tree, None, sampling, self.n_params)
+        draft_len = draft_len if self.head is not None else 0
+
+        def build():
+            s = jax.eval_shape(lambda: steps.empty_state(self.target, self.head, batch, cache_len, draft_len))
+            return steps.compile_step(self.graphdef, self.state, self.head_graphdef, self.head_state, s,
+                                      _abstract(SamplingParams.make(batch)),
+                                      jax.ShapeDtypeStruct((batch,), jnp.bool_), tree, None, sampling, self.n_params)
+
+        self._keep(("step", batch, cache_len, draft_len, tree_name(tree), sampling), build)
+
+    # --- programs kept ahead of time --------------------------------------------------------------
+    def use_store(self, directory=None) -> ProgramStore:
+        """From now on `compile_step` / `compile_prefill` load their programs from a `ProgramStore` in
+        `directory` (default `programs.default_store_dir()`), or compile and write them there, and
+        `run_step` / `run_prefill` call them directly: a restart loads each program without tracing it."""
+        if self.store is None:
+            fp = fingerprint(self.state, self.head_state, configs=(self.target.cfg, getattr(self.head, "cfg", None)))
+            self.store = ProgramStore(directory or default_store_dir(), fp)
+        return self.store
+
+    def _keep(self, key: tuple, build) -> None:
+        # Programs compiled without LLVM optimisation (small models and batches, `steps.QUICK_COMPILE_WORK`)
+        # do not reload reliably on XLA:CPU (kernels missing at run time), and compile in a second anyway.
+        if self.store is None or quick(self.n_params * key[1], steps.QUICK_COMPILE_WORK):
+            build()  # compiled into jax's own caches: the next call of these shapes runs it
+        elif key not in self.programs:
+            self.programs[key] = self.store.load_or_build(" ".join(map(str, key)), build)
+
+    @staticmethod
+    def _draft_len(draft_cache) -> int:
+        return draft_cache.max_len if draft_cache is not None and draft_cache.k else 0
 
     def auto_policy(self, batch: int, cache_len: int, draft_len: int, trees, profile_dir=None) -> harness.Harness:
         """The load-aware harness for this batch bucket and cache length: the cost profile is measured

@@ -336,23 +336,26 @@ def _step(graphdef, state, head_graphdef, head_state, s: DecodeState, params: Sa
 
 
 def compile_prefill(graphdef, state, head_graphdef, head_state, tokens, prompt_lens, cache, draft_cache, params,
-                    window: int | None = None, sampling: bool = True, n_params: int | None = None) -> None:
+                    window: int | None = None, sampling: bool = True, n_params: int | None = None):
     """Compiles the prefill `prefill` would run for arguments of these shapes (jax.ShapeDtypeStruct trees
     or arrays) without running it or allocating its buffers: a later `prefill` call of the same shapes
-    dispatches the compiled program."""
+    dispatches the compiled program. Returns it (a jax Compiled, called with the non-static arguments:
+    state, head_state, tokens, prompt_lens, cache, draft_cache, params, follow)."""
     n = param_count(state, head_state) if n_params is None else n_params
     fn = _PREFILL[quick(n * tokens.shape[0], QUICK_COMPILE_WORK, state)]
     follow = jax.ShapeDtypeStruct((tokens.shape[0],), jnp.int32)
-    fn.lower(graphdef, state, head_graphdef, head_state, tokens, prompt_lens, cache, draft_cache, params, follow,
-             window, sampling).compile()
+    return fn.lower(graphdef, state, head_graphdef, head_state, tokens, prompt_lens, cache, draft_cache, params,
+                    follow, window, sampling).compile()
 
 
 def compile_step(graphdef, state, head_graphdef, head_state, s, params, active, tree: TreeConfig | None = None,
-                 window: int | None = None, sampling: bool = True, n_params: int | None = None) -> None:
-    """Compiles the step `step` would run for arguments of these shapes (as `compile_prefill`)."""
+                 window: int | None = None, sampling: bool = True, n_params: int | None = None):
+    """Compiles the step `step` would run for arguments of these shapes (as `compile_prefill`); returns it
+    (called with state, head_state, s, params, active)."""
     n = param_count(state, head_state) if n_params is None else n_params
     fn = _STEP[quick(n * s.root.shape[0], QUICK_COMPILE_WORK, state)]
-    fn.lower(graphdef, state, head_graphdef, head_state, s, params, active, tree, False, window, sampling).compile()
+    return fn.lower(graphdef, state, head_graphdef, head_state, s, params, active, tree, False, window,
+                    sampling).compile()
 
 
 _PREFILL = jit_pair(_prefill, static_argnames=("graphdef", "head_graphdef", "window", "sampling"),

@@ -118,7 +118,12 @@ def select_tree(root_tokens, pool_tokens, pool_scores, pool_parents, tree: TreeC
     depth_of_slot = jnp.asarray(tree.pool_depths())
     if n > 1:
         _, chosen = jax.lax.top_k(pool_scores, n - 1)  # [B, N-1], best first; ties -> lower slot
-        chosen = jnp.sort(chosen, axis=-1)  # pool order: parents before children, siblings in draft order
+        # Pool order: parents before children, siblings in draft order. The N-1 slots are distinct, so each
+        # one's place is how many chosen slots are smaller; placed by a one-hot sum rather than a sort
+        # (XLA:CPU cannot serialize a sort's comparator, and stored programs must be serializable).
+        rank = jnp.sum(chosen[:, None, :] < chosen[:, :, None], axis=-1)  # [B, N-1]
+        place = rank[:, :, None] == jnp.arange(n - 1, dtype=rank.dtype)[None, None, :]  # [B, from, to]
+        chosen = jnp.sum(jnp.where(place, chosen[:, :, None], 0), axis=1).astype(jnp.int32)
     else:
         chosen = jnp.zeros((b, 0), jnp.int32)
     node_of_slot = jnp.full((b, c), -1, jnp.int32)

@@ -99,7 +99,9 @@ def main(argv=None) -> int:
 
     cache_dir = config.compile_cache
     if cache_dir is None:
-        cache_dir = os.path.join(os.path.expanduser("~"), ".cache", "eagle_jax", "xla")
+        root = os.environ.get("EAGLE_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "eagle_jax")
+        cache_dir = os.path.join(root, "xla")
+        config = dataclasses.replace(config, compile_cache=cache_dir)
     if cache_dir:
         jax.config.update("jax_compilation_cache_dir", cache_dir)
         if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:  # tiny programs are quicker to compile

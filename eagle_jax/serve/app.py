@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import hmac
 import logging
+import os
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -181,6 +182,8 @@ def create_app(target, head=None, config=None, *, profile=None, metrics: Metrics
     scheduler = Scheduler(target, head, policy, sched_cfg, metrics, profile_dir=config.profile_dir,
                           profile_reps=config.profile_reps)
     if config.warmup:  # compiled in the background once the app starts; served meanwhile
+        if config.compile_cache:  # a restart loads the prepared programs without tracing them
+            scheduler.engine.use_store(os.path.join(config.compile_cache, "programs"))
         scheduler.prepare_in_background(config.warmup_prompt_len)
     api = Api(scheduler, config.served_model_name or target.name, max_model_len, metrics, config.api_key)
     return build_app(api)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 
+from eagle_jax.programs import ProgramStore
+
 # name -> (type, help). Counters only change by `Metrics.inc`; gauges come from `render(gauges=...)`.
 DESCRIPTIONS = {
     "eagle_requests_total": ("counter", "Requests by outcome: completed, cancelled (client went away), error, "
@@ -138,5 +140,6 @@ class CompileCounter:
 
     @classmethod
     def counts(cls) -> dict[str, int]:
-        """{'compiled': programs XLA compiled, 'cache': programs read from the persistent cache}."""
-        return {"compiled": max(cls.built - cls.from_cache, 0), "cache": cls.from_cache}
+        """{'compiled': programs XLA compiled, 'cache': programs read from the persistent cache, 'store':
+        executables loaded from a program store (`eagle_jax.programs`: not traced, not compiled)}."""
+        return {"compiled": max(cls.built - cls.from_cache, 0), "cache": cls.from_cache, "store": ProgramStore.loaded}

@@ -194,8 +194,9 @@ class Preparation(OnDemand):
             self.finished_at = time.monotonic()
             built = CompileCounter.counts()
             log.info("preparation complete: %d programs in %.0f s, %d skipped (this process so far: %d XLA programs "
-                     "compiled, %d read from the persistent compilation cache)", self.total - len(self._skipped),
-                     self.finished_at - self.started_at, len(self._skipped), built["compiled"], built["cache"])
+                     "compiled, %d read from the persistent compilation cache, %d loaded from the program store)",
+                     self.total - len(self._skipped), self.finished_at - self.started_at, len(self._skipped),
+                     built["compiled"], built["cache"], built["store"])
             self.on_progress()
 
     def _bump(self, keys) -> None:
