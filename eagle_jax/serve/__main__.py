@@ -97,6 +97,9 @@ def main(argv=None) -> int:
 
     import jax
 
+    from eagle_jax.serve.prepare import map_large_blocks
+
+    map_large_blocks()  # large buffers go back to the OS when freed (see its doc): a lower peak
     cache_dir = config.compile_cache
     if cache_dir is None:
         root = os.environ.get("EAGLE_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "eagle_jax")
