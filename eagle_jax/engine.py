@@ -100,8 +100,9 @@ class Engine:
             dcache = self.head.init_cache(b, draft_len) if self.head is not None else None
         else:
             cache, dcache = prev.cache, prev.draft_cache if self.head is not None else None
-        prog = self.programs.get(("prefill", b, tokens.shape[1], cache.max_len, self._draft_len(dcache), sampling))
-        if prog is not None and window is None:
+        prog = None if window is not None else self.programs.get(
+            ("prefill", b, tokens.shape[1], cache.max_len, self._draft_len(dcache), sampling))
+        if prog is not None:
             follow = jnp.full((b,), -1, jnp.int32) if follow is None else jnp.asarray(follow, jnp.int32)
             return prog(self.state, self.head_state, jnp.asarray(tokens), jnp.asarray(prompt_lens), cache, dcache,
                         params, follow)
@@ -114,8 +115,7 @@ class Engine:
         """One step (see `steps.step`); the head rides along with plain steps so its draft can catch up.
         sampling=False compiles the all-greedy program (only for batches whose rows are all greedy)."""
         if not trace and window is None and self.programs:
-            prog = self.programs.get(("step", s.root.shape[0], s.cache.max_len,
-                                      self._draft_len(s.draft_cache if self.head is not None else None),
+            prog = self.programs.get(("step", s.root.shape[0], s.cache.max_len, self._draft_len(s.draft_cache),
                                       tree_name(tree), sampling))
             if prog is not None:
                 return prog(self.state, self.head_state, s, params, jnp.asarray(active))

@@ -144,9 +144,13 @@ def profile_key(target, head, buckets: Sequence[int], candidates: Sequence[str],
     return f"{slug}-{digest}"
 
 
+def cache_root() -> Path:
+    """$EAGLE_JAX_CACHE, else ~/.cache/eagle_jax: cost profiles, compiled programs and the XLA cache live below."""
+    return Path(os.environ.get("EAGLE_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "eagle_jax"))
+
+
 def default_cache_dir() -> Path:
-    root = os.environ.get("EAGLE_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "eagle_jax")
-    return Path(root) / "harness"
+    return cache_root() / "harness"
 
 
 def stepper(target, head, candidates, batch: int, cache_len: int, draft_len: int, context: int):

@@ -11,7 +11,8 @@ The fingerprint covers everything a program depends on besides its shapes: jax a
 the device and its platform version, the host CPU (on CPU, executables are compiled for its features),
 XLA_FLAGS, the source of the step's modules (`profiles.step_code_hash`), the target and head
 configurations and their parameter shapes and dtypes. Weights are arguments, never part of a program.
-A file that fails to load (another version, a truncated write) is rebuilt and replaced. Files are
+A file that fails to load (another version, a truncated write) is removed and its program built again
+(and stored again when that build is a fresh compile). Files are
 pickles of the executable: keep the store where only you write, as for any cache of code.
 """
 
@@ -26,14 +27,13 @@ from pathlib import Path
 
 import jax
 
-from eagle_jax.profiles import step_code_hash
+from eagle_jax.profiles import cache_root, step_code_hash
 
 log = logging.getLogger("eagle_jax.programs")
 
 
 def default_store_dir() -> Path:
-    root = os.environ.get("EAGLE_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "eagle_jax")
-    return Path(root) / "programs"
+    return cache_root() / "programs"
 
 
 def _host_cpu() -> str:

@@ -102,8 +102,9 @@ def main(argv=None) -> int:
     map_large_blocks()  # large buffers go back to the OS when freed (see its doc): a lower peak
     cache_dir = config.compile_cache
     if cache_dir is None:
-        root = os.environ.get("EAGLE_JAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "eagle_jax")
-        cache_dir = os.path.join(root, "xla")
+        from eagle_jax.profiles import cache_root
+
+        cache_dir = str(cache_root() / "xla")
         config = dataclasses.replace(config, compile_cache=cache_dir)
     if cache_dir:
         jax.config.update("jax_compilation_cache_dir", cache_dir)
