@@ -113,7 +113,7 @@ def test_recipe_runs_end_to_end_resumes_and_exports_a_loadable_head(tiny_model_d
     assert "[head] initialised from" in third.stdout
     assert "[data] 10 prompts" in third.stdout and "[data] 8 train / 2 held-out" in third.stdout
     assert json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())["done"] == 10
-    rerun = _run(recipe, "--data-only")  # stops after the data stage
+    rerun = _run_here(recipe, "--data-only")  # stops after the data stage (in this process: nothing to compile)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "[data] 9 prompts" in rerun.stdout and "[data] 8 train / 1 held-out" in rerun.stdout
     assert "[train]" not in rerun.stdout and "[export]" not in rerun.stdout
@@ -123,7 +123,7 @@ def test_recipe_runs_end_to_end_resumes_and_exports_a_loadable_head(tiny_model_d
     np.testing.assert_array_equal(np.asarray(again.d2t[...]), np.asarray(head.d2t[...]))
     bad = tmp_path / "bad.toml"
     bad.write_text(cont.read_text().replace("draft_vocab_size = 512", "draft_vocab_size = 256"))
-    out = _run(bad)
+    out = _run_here(bad)
     assert out.returncode == 2 and "init_from" in out.stderr and "256" in out.stderr
 
 
