@@ -172,16 +172,19 @@ class Engine:
     def _draft_len(draft_cache) -> int:
         return draft_cache.max_len if draft_cache is not None and draft_cache.k else 0
 
-    def auto_policy(self, batch: int, cache_len: int, draft_len: int, trees, profile_dir=None) -> harness.Harness:
+    def auto_policy(self, batch: int, cache_len: int, draft_len: int, trees, profile_dir=None,
+                    sampling: bool = True) -> harness.Harness:
         """The load-aware harness for this batch bucket and cache length: the cost profile is measured
         once (or read from the disk cache, then every candidate is compiled up front) and acceptance
-        statistics carry over from call to call, as in a server."""
-        key = (batch, cache_len, str(profile_dir), tuple(t.name for t in trees))
+        statistics carry over from call to call, as in a server. sampling=False: the all-greedy steps
+        (a call whose rows are all greedy) are the ones profiled and compiled."""
+        key = (batch, cache_len, str(profile_dir), tuple(t.name for t in trees), sampling)
         if key not in self._profiles:
             prof = profiles.load_or_measure(self.target, self.head, [batch], [None] + trees, cache_len, draft_len,
-                                            cache_dir=profile_dir)
+                                            cache_dir=profile_dir, sampling=sampling)
             if prof.source != "measured":  # measuring compiled every candidate; a cached profile did not
-                profiles.compile_candidates(self.target, self.head, batch, [None] + trees, cache_len, draft_len)
+                profiles.compile_candidates(self.target, self.head, batch, [None] + trees, cache_len, draft_len,
+                                            sampling)
             self._profiles[key] = prof
         depth = max(t.depth for t in trees)
         if depth not in self.acceptance:
@@ -220,12 +223,12 @@ class Engine:
             s_len = max(s_len, next_pow2(cache_len, 128))
         tokens, prompt_lens = pad_prompts(prompt_ids, b, t)
         params = params.pad_to(b)
-        policy = self.auto_policy(b, s_len, s_len + draft_len_extra, trees, profile_dir) if auto else None
         n = len(prompt_ids)
         samples = np.asarray(params.temperature) > 0  # [b]: the harness estimates greedy and sampled rows apart
-        # An all-greedy call compiles steps without the sampling paths (about half the compile time); the
-        # harness's steps serve any mix of rows, as measured and compiled by its profile.
-        sampling = auto or bool(samples.any())
+        # An all-greedy call compiles steps without the sampling paths (about half the compile time), with
+        # the harness too: its profile measures the programs the call runs.
+        sampling = bool(samples.any())
+        policy = self.auto_policy(b, s_len, s_len + draft_len_extra, trees, profile_dir, sampling) if auto else None
         eos = () if ignore_eos else self.target.eos_token_ids
         rows = [TokenStream(self.target.tokenizer, max_tokens=max_new_tokens, eos_ids=eos, stop=stop)
                 for _ in range(n)]

@@ -128,10 +128,12 @@ def step_code_hash() -> str:
     return h.hexdigest()[:16]
 
 
-def profile_key(target, head, buckets: Sequence[int], candidates: Sequence[str], cache_len: int) -> str:
+def profile_key(target, head, buckets: Sequence[int], candidates: Sequence[str], cache_len: int,
+                sampling: bool = True) -> str:
     """A readable, file-safe key: model name + a hash of device, model and head configs, buckets,
-    candidates, cache length and the step's code (head weights do not change step costs; its
-    architecture does), so a profile is measured again after anything that changes the numbers."""
+    candidates, cache length, the step's code (head weights do not change step costs; its
+    architecture does) and which programs were measured (`sampling`), so a profile is measured again
+    after anything that changes the numbers."""
     ident = {
         "device": device_kind(), "jax": jax.__version__, "code": step_code_hash(),
         "model": target.name, "model_cfg": repr(target.cfg), "model_dtype": str(target.model.dtype),
@@ -139,6 +141,8 @@ def profile_key(target, head, buckets: Sequence[int], candidates: Sequence[str],
         "buckets": list(buckets), "candidates": list(candidates), "cache_len": int(cache_len),
         "method": 3,  # bumped when the measurement changes (2: interleaved rounds; 3: sampled steps too)
     }
+    if not sampling:
+        ident["programs"] = "greedy"  # the all-greedy steps (the general ones keep their existing keys)
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", target.name)[:40]
     return f"{slug}-{digest}"
@@ -153,10 +157,12 @@ def default_cache_dir() -> Path:
     return cache_root() / "harness"
 
 
-def stepper(target, head, candidates, batch: int, cache_len: int, draft_len: int, context: int):
+def stepper(target, head, candidates, batch: int, cache_len: int, draft_len: int, context: int,
+            sampling: bool = True):
     """(state, step): an empty DecodeState of these shapes and a function step(state, tree, sampled=False)
     running one step of one of the `candidates` on it (rows reset to `context` committed tokens first;
-    every row greedy, or every row sampling at temperature 1), blocking until it is done."""
+    every row greedy, or every row sampling at temperature 1), blocking until it is done.
+    sampling=False runs the all-greedy programs (`Engine.run_step`), which take no sampled rows."""
     if head is None and any(t is not None for t in candidates):
         raise ValueError("speculation candidates need a draft head")
     g, st = nnx.split(target.model)
@@ -172,7 +178,9 @@ def stepper(target, head, candidates, batch: int, cache_len: int, draft_len: int
                       draft_cache=s.draft_cache.replace(lengths=jnp.full((batch,), context, jnp.int32)),
                       lag_n=jnp.zeros((batch,), jnp.int32))
         # As Engine.run_step calls it (the same arguments, positionally: the same compiled program).
-        s, _, count = steps.step(g, st, hg, hs, s, kinds[sampled], active, tree, False, None, True, n_params)
+        if sampled and not sampling:
+            raise ValueError("the all-greedy programs cannot run sampled rows")
+        s, _, count = steps.step(g, st, hg, hs, s, kinds[sampled], active, tree, False, None, sampling, n_params)
         count.block_until_ready()
         return s
 
@@ -180,24 +188,26 @@ def stepper(target, head, candidates, batch: int, cache_len: int, draft_len: int
 
 
 def compile_candidates(target, head, batch: int, candidates: Sequence[TreeConfig | None], cache_len: int,
-                       draft_len: int) -> None:
+                       draft_len: int, sampling: bool = True) -> None:
     """Runs one step of every candidate at these shapes, so none is compiled the first time the harness
     picks it (measuring a profile does this too; a profile read from the cache does not)."""
-    state, step = stepper(target, head, candidates, batch, cache_len, draft_len, max(1, cache_len // 4))
+    state, step = stepper(target, head, candidates, batch, cache_len, draft_len, max(1, cache_len // 4), sampling)
     for tree in candidates:
         state = step(state, tree)
 
 
 def measure_profile(target, head, buckets: Sequence[int], candidates: Sequence[TreeConfig | None], cache_len: int,
-                    draft_len: int, reps: int = 9, context: int | None = None) -> dict[int, dict[str, float]]:
+                    draft_len: int, reps: int = 9, context: int | None = None,
+                    sampling: bool = True) -> dict[int, dict[str, float]]:
     """Median seconds of one step per (bucket, candidate), rows filled to `context` tokens: every row
-    greedy ("<name>") and every row sampling ("<name>:sampled")."""
+    greedy ("<name>") and every row sampling ("<name>:sampled"). sampling=False measures the all-greedy
+    programs instead, greedy rows only (half the programs to compile, for runs that never sample)."""
     ctx = int(context if context is not None else max(1, cache_len // 4))
     out: dict[int, dict[str, float]] = {}
-    runs = [(t, sampled) for sampled in (False, True) for t in candidates]
+    runs = [(t, sampled) for sampled in ((False, True) if sampling else (False,)) for t in candidates]
     label = lambda t, sampled: tree_name(t) + (SAMPLED if sampled else "")
     for b in buckets:
-        state, step = stepper(target, head, candidates, b, cache_len, draft_len, ctx)
+        state, step = stepper(target, head, candidates, b, cache_len, draft_len, ctx, sampling)
         for tree, sampled in runs:
             state = step(step(state, tree, sampled), tree, sampled)  # compile, warm
         # Rounds over all candidates, so a burst of load from elsewhere on the machine inflates every
@@ -246,18 +256,20 @@ def save(prof: Profile, cache_dir=None) -> None:
 
 
 def load_or_measure(target, head, buckets: Sequence[int], candidates: Sequence[TreeConfig | None], cache_len: int,
-                    draft_len: int, *, cache_dir=None, reprofile: bool = False, reps: int = 9) -> Profile:
-    """The cached profile for this device + model + head + settings, measuring (and caching) it if needed."""
+                    draft_len: int, *, cache_dir=None, reprofile: bool = False, reps: int = 9,
+                    sampling: bool = True) -> Profile:
+    """The cached profile for this device + model + head + settings, measuring (and caching) it if needed;
+    sampling=False: of the all-greedy programs (`measure_profile`)."""
     names = [tree_name(t) for t in candidates]
-    key = profile_key(target, head, buckets, names, cache_len)
+    key = profile_key(target, head, buckets, names, cache_len, sampling)
     prof = None if reprofile else load_cached(key, cache_dir)
     if prof is not None and all(set(names) <= set(prof.seconds.get(int(b), {})) for b in buckets):
         log.info("harness: reusing cost profile %s", profile_file(key, cache_dir))
         return prof
     t0 = time.perf_counter()
-    seconds = measure_profile(target, head, buckets, candidates, cache_len, draft_len, reps=reps)
+    seconds = measure_profile(target, head, buckets, candidates, cache_len, draft_len, reps=reps, sampling=sampling)
     meta = {"device": device_kind(), "model": target.name, "cache_len": cache_len, "buckets": list(buckets),
-            "candidates": names, "measured_s": round(time.perf_counter() - t0, 2),
+            "candidates": names, "programs": "general" if sampling else "greedy", "measured_s": round(time.perf_counter() - t0, 2),
             "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
     prof = Profile(key=key, seconds=seconds, meta=meta, source="measured")
     save(prof, cache_dir)

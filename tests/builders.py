@@ -107,14 +107,16 @@ def train_setup(n_prompts=96):
 def write_profile(directory, tgt, head, b, s_len, extra, seconds, candidates=None):
     """Writes a cost profile where the harness will find it (a synthetic one: the choice it forces is
     the point, not this machine's numbers). `seconds(tree or None)` gives each candidate's step time;
-    candidates: the harness's trees (default `harness.DEFAULT_CANDIDATES`)."""
+    candidates: the harness's trees (default `harness.DEFAULT_CANDIDATES`). Written under the keys of
+    both program kinds (the general steps, and the all-greedy ones an all-greedy call profiles)."""
     from eagle_jax import harness
 
     cands = [None] + harness.candidate_trees(candidates)
     names = [tree_name(t) for t in cands]
-    key = profiles.profile_key(tgt, head, [b], names, s_len)
-    prof = profiles.Profile(key, {b: {n: seconds(parse_tree(n)) for n in names}}, meta={})
-    (directory / f"{key}.json").write_text(json.dumps(prof.to_json()))
+    for sampling in (True, False):
+        key = profiles.profile_key(tgt, head, [b], names, s_len, sampling)
+        prof = profiles.Profile(key, {b: {n: seconds(parse_tree(n)) for n in names}}, meta={})
+        (directory / f"{key}.json").write_text(json.dumps(prof.to_json()))
 
 
 def write_tiny_chat_model(directory):
