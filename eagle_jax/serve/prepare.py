@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from eagle_jax.harness import Choice
-from eagle_jax.rows import insert_rows, take_rows
+from eagle_jax.rows import compile_take_rows, insert_rows
 from eagle_jax.serve.metrics import CompileCounter
 from eagle_jax.steps import empty_state
 from eagle_jax.tree import tree_name
@@ -143,8 +143,8 @@ class Preparation(OnDemand):
         for pb in self.s.prefill_batches:
             insert_rows.lower(state, self._abstract_state(pb), jax.ShapeDtypeStruct((pb,), jnp.int32)).compile()
         for other in smaller:
-            take_rows.lower(state, jax.ShapeDtypeStruct((other,), jnp.int32)).compile()
-            take_rows.lower(self._abstract_state(other), jax.ShapeDtypeStruct((bucket,), jnp.int32)).compile()
+            compile_take_rows(state, other)
+            compile_take_rows(self._abstract_state(other), bucket)
 
     # --- the thread ---------------------------------------------------------------------------------
     def start(self) -> None:

@@ -30,6 +30,7 @@ import logging
 import threading
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -236,7 +237,9 @@ class Scheduler:
             self.state = empty_state(self.target, self.head, bucket, self.cache_len, self.draft_len)
         else:
             src = np.asarray(rows + [-1] * (bucket - len(rows)), np.int32)
-            self.state = take_rows(self.state, jnp.asarray(src))
+            # One array of the old state at a time (`take_rows(consume=True)`); if the move fails part-way,
+            # the old state keeps its deleted arrays and `_recover_if_broken` starts over.
+            self.state = take_rows(self.state, src, consume=True)
         self.slots = [self.slots[i] for i in rows] + [None] * (bucket - len(rows))
         synced = np.zeros(bucket, bool)
         synced[: len(rows)] = self.synced[rows] if len(rows) else False
@@ -402,8 +405,8 @@ class Scheduler:
         if self.state is None:
             return
         try:
-            leaves_ok = not any(getattr(x, "is_deleted", lambda: False)() for x in
-                                (self.state.root, self.state.cache.lengths))
+            leaves_ok = not any(getattr(x, "is_deleted", lambda: False)()
+                                for x in jax.tree_util.tree_leaves(self.state))
         except Exception:
             leaves_ok = False
         if leaves_ok:

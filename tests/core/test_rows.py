@@ -1,0 +1,57 @@
+"""Row surgery between batch buckets (`rows.take_rows`): the moved rows, the emptied ones, and the
+consuming move that frees the old state array by array."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eagle_jax import steps
+from eagle_jax.rows import compile_take_rows, take_rows
+from builders import oracle_pair
+
+
+def _filled_state(batch: int = 2):
+    tgt, head = oracle_pair()
+    s = steps.empty_state(tgt, head, batch, 32, 40)
+    rng = np.random.default_rng(0)
+    # Distinct values in every array (fresh arrays, none shared), lengths 5 and 9.
+    s = jax.tree_util.tree_map(lambda a: jnp.asarray(rng.integers(1, 100, a.shape).astype(a.dtype)), s)
+    lengths = jnp.asarray([5, 9], jnp.int32)
+    return s.replace(cache=s.cache.replace(lengths=lengths), draft_cache=s.draft_cache.replace(lengths=lengths),
+                     lag_n=jnp.asarray([1, 2], jnp.int32))
+
+
+@pytest.mark.parametrize("consume", [False, True])
+def test_take_rows_moves_rows_and_empties_the_rest(consume):
+    s = _filled_state()
+    before = jax.tree_util.tree_map(np.asarray, s)
+    out = take_rows(s, np.asarray([1, -1, 0, -1], np.int32), consume=consume)
+    assert out.root.shape == (4,) and out.cache.k[0].shape[0] == 4
+    np.testing.assert_array_equal(out.cache.lengths, [9, 0, 5, 0])
+    np.testing.assert_array_equal(out.draft_cache.lengths, [9, 0, 5, 0])
+    np.testing.assert_array_equal(out.lag_n, [2, 0, 1, 0])
+    for new, old in zip(jax.tree_util.tree_leaves(out.cache.k), jax.tree_util.tree_leaves(before.cache.k)):
+        np.testing.assert_array_equal(np.asarray(new)[[0, 2]], old[[1, 0]])
+    np.testing.assert_array_equal(np.asarray(out.root_hidden)[[0, 2]], before.root_hidden[[1, 0]])
+    deleted = [a.is_deleted() for a in jax.tree_util.tree_leaves(s)]
+    assert all(deleted) if consume else not any(deleted)
+
+
+def test_a_consuming_move_copies_an_array_held_twice_once():
+    s = _filled_state()
+    shared = s.cache.lengths
+    s = s.replace(draft_cache=s.draft_cache.replace(lengths=shared))  # the same array in two fields
+    out = take_rows(s, np.asarray([1, 0], np.int32), consume=True)
+    np.testing.assert_array_equal(out.cache.lengths, [9, 5])
+    np.testing.assert_array_equal(out.draft_cache.lengths, [9, 5])
+    assert shared.is_deleted()
+
+
+def test_compiled_ahead_the_move_traces_nothing_new():
+    s = _filled_state()
+    compile_take_rows(jax.eval_shape(lambda: s), 8)
+    take_rows(_filled_state(), np.arange(8, dtype=np.int32) % 2)  # jit's own dispatch cache
+    before = steps.TRACE_COUNTS["take_rows"]
+    take_rows(s, np.asarray([0, 1, -1, -1, -1, -1, -1, -1], np.int32), consume=True)
+    assert steps.TRACE_COUNTS["take_rows"] == before
