@@ -41,3 +41,17 @@ def test_quick_and_optimised_programs_give_the_same_tokens(monkeypatch, temperat
     assert len(compiles) >= 2  # the second run compiled programs of its own (prefill and step at least)
     assert quick.token_ids == full.token_ids
     assert quick.stats["accept_histogram"] == full.stats["accept_histogram"]
+
+
+def test_quick_programs_take_the_emitter_option_this_xla_knows_and_do_without_one_it_does_not(monkeypatch):
+    compiling.quick_options.cache_clear()
+    assert compiling.quick_options() == {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+    monkeypatch.setattr(compiling, "QUICK_EMITTER", {"xla_cpu_no_such_option_here": False})
+    compiling.quick_options.cache_clear()
+    try:
+        assert compiling.quick_options() == {"xla_backend_optimization_level": 0}
+        pair = compiling.jit_pair(lambda x: x * 2)
+        assert float(pair[True](jnp.float32(3))) == 6.0 and float(pair[False](jnp.float32(3))) == 6.0
+        assert pair[True] is pair[True] and pair[True] is not pair[False]
+    finally:
+        compiling.quick_options.cache_clear()

@@ -28,7 +28,7 @@ from jax import export
 from jax.experimental.pallas import tpu as pltpu
 
 import pallas_kernels
-from eagle_jax.compiling import QUICK_OPTIONS
+from eagle_jax.compiling import quick_options
 from eagle_jax.tree import TreeConfig, select_tree
 from pallas_kernels import BlockSizes, tree_attention, tree_attention_reference, use_implementation
 from pallas_kernels.gpu import tree_attention_gpu
@@ -130,7 +130,7 @@ class KernelCases:
         if self.INTERPRET:
             # Interpreted on CPU the kernel is a loop of small XLA ops: compile it without LLVM optimisation
             # (the same values, about half the compile time; see eagle_jax.compiling).
-            return jax.jit(functools.partial(fn, block_sizes=BLOCKS, interpret=True), compiler_options=QUICK_OPTIONS)
+            return jax.jit(functools.partial(fn, block_sizes=BLOCKS, interpret=True), compiler_options=quick_options())
         return functools.partial(fn, block_sizes=BLOCKS, interpret=False)
 
     def check(self, out, args, dtype):
