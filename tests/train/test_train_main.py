@@ -1,8 +1,7 @@
-"""`python -m eagle_jax.train --recipe ...` end to end on a tiny model with SmolLM2's tokenizer."""
+"""The training CLI (`eagle_jax.train.__main__.main`, as `python -m eagle_jax.train --recipe ...` runs it) end to end
+on a tiny model with SmolLM2's tokenizer."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -60,15 +59,12 @@ def tiny_model_dir(tmp_path_factory):
 
 
 def _run_here(recipe, *extra):
-    """The same command in this process (error paths: no fresh interpreter needed)."""
+    """The command in this process: each run starts from what the disk holds (data, checkpoints, heads),
+    as a fresh `python -m eagle_jax.train` would, and reuses the programs an earlier run compiled. The
+    documented commands run as subprocesses in test_docs.py."""
     from eagle_jax.train.__main__ import main
 
     return run_main(main, "--recipe", recipe, "--json", *extra)
-
-
-def _run(recipe, *extra):
-    return subprocess.run([sys.executable, "-m", "eagle_jax.train", "--recipe", str(recipe), "--json", *extra],
-                          capture_output=True, text=True, timeout=600, cwd=REPO)
 
 
 @pytest.mark.slow
@@ -79,10 +75,10 @@ def test_recipe_runs_end_to_end_resumes_and_exports_a_loadable_head(tiny_model_d
     recipe = tmp_path / "r.toml"
     recipe.write_text(RECIPE.format(model=tiny_model_dir, kind=kind, out=tmp_path / "run", jsonl=jsonl,
                                     features=features))
-    first = _run(recipe, "--steps", "3")
+    first = _run_here(recipe, "--steps", "3")
     assert first.returncode == 0, first.stderr[-3000:]
     assert json.loads(first.stdout.strip().splitlines()[-1])["steps"] == 3
-    second = _run(recipe)
+    second = _run_here(recipe)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed at step 3" in second.stdout
     summary = json.loads(second.stdout.strip().splitlines()[-1])
@@ -108,12 +104,12 @@ def test_recipe_runs_end_to_end_resumes_and_exports_a_loadable_head(tiny_model_d
     cont.write_text(recipe.read_text().replace('draft_vocab_size = 512', f'draft_vocab_size = 512\ninit_from = "{summary["head"]}"')
                     .replace(f'out_dir = "{tmp_path / "run"}"', f'out_dir = "{tmp_path / "run2"}"')
                     .replace('path = "%s" }]' % jsonl, 'path = "%s" }, { kind = "jsonl", path = "%s" }]' % (jsonl, more)))
-    third = _run(cont, "--steps", "1")
+    third = _run_here(cont, "--steps", "1")
     assert third.returncode == 0, third.stderr[-3000:]
     assert "[head] initialised from" in third.stdout
     assert "[data] 10 prompts" in third.stdout and "[data] 8 train / 2 held-out" in third.stdout
     assert json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())["done"] == 10
-    rerun = _run_here(recipe, "--data-only")  # stops after the data stage (in this process: nothing to compile)
+    rerun = _run_here(recipe, "--data-only")  # stops after the data stage
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "[data] 9 prompts" in rerun.stdout and "[data] 8 train / 1 held-out" in rerun.stdout
     assert "[train]" not in rerun.stdout and "[export]" not in rerun.stdout
