@@ -1,7 +1,6 @@
 """`python -m eagle_jax.generate` as a user runs it."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -60,20 +59,20 @@ def test_json_output_equals_the_library_result(tiny_chat_model, tiny_chat):
 
 
 @pytest.mark.slow
-def test_random_draft_from_the_cli_keeps_the_greedy_text(tmp_path, tiny_chat_model, tiny_chat):
+def test_random_draft_from_the_cli_keeps_the_greedy_text(tmp_path, tiny_chat_model, tiny_chat, monkeypatch):
+    # The CLI's main in this process (its subprocess path is test_json_output_equals_the_library_result's).
     plain = eagle_jax.generate(tiny_chat, "Name three colors.", max_new_tokens=12)
     args = ("--model", tiny_chat_model, "--prompt", "Name three colors.", "--max-new-tokens", "12", "--json",
             "--draft", "random")
-    out = _run(*args, "--tree", "3,2,6")
+    out = run_main(main, *args, "--tree", "3,2,6")
     assert out.returncode == 0, out.stderr
     spec = json.loads(out.stdout)
     assert spec["token_ids"] == plain.token_ids and spec["texts"] == plain.texts
     assert sum(spec["stats"]["accept_histogram"]) == len(spec["stats"]["accepted_per_step"])
     # --tree auto: the harness measures this device's step costs (into EAGLE_JAX_CACHE) and picks per step,
     # here between plain steps and the tree above (--candidates; the default ones are the engine tests').
-    env = {**os.environ, "EAGLE_JAX_CACHE": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-m", "eagle_jax.generate", *args, "--tree", "auto", "--candidates",
-                          "3,2,6"], capture_output=True, text=True, timeout=600, env=env)
+    monkeypatch.setenv("EAGLE_JAX_CACHE", str(tmp_path))
+    out = run_main(main, *args, "--tree", "auto", "--candidates", "3,2,6")
     assert out.returncode == 0, out.stderr
     auto = json.loads(out.stdout)
     assert auto["token_ids"] == plain.token_ids
