@@ -15,11 +15,11 @@ def _filled_state(batch: int = 2):
     tgt, head = oracle_pair()
     s = steps.empty_state(tgt, head, batch, 32, 40)
     rng = np.random.default_rng(0)
-    # Distinct values in every array (fresh arrays, none shared), lengths 5 and 9.
+    # Distinct values in every array (fresh arrays, none shared), lengths 5, 9 (and 7).
     s = jax.tree_util.tree_map(lambda a: jnp.asarray(rng.integers(1, 100, a.shape).astype(a.dtype)), s)
-    lengths = jnp.asarray([5, 9], jnp.int32)
+    lengths = jnp.asarray([5, 9, 7][:batch], jnp.int32)
     return s.replace(cache=s.cache.replace(lengths=lengths), draft_cache=s.draft_cache.replace(lengths=lengths),
-                     lag_n=jnp.asarray([1, 2], jnp.int32))
+                     lag_n=jnp.asarray([1, 2, 0][:batch], jnp.int32))
 
 
 @pytest.mark.parametrize("consume", [False, True])
@@ -48,10 +48,27 @@ def test_a_consuming_move_copies_an_array_held_twice_once():
     assert shared.is_deleted()
 
 
-def test_compiled_ahead_the_move_traces_nothing_new():
-    s = _filled_state()
-    compile_take_rows(jax.eval_shape(lambda: s), 8)
-    take_rows(_filled_state(), np.arange(8, dtype=np.int32) % 2)  # jit's own dispatch cache
-    before = steps.TRACE_COUNTS["take_rows"]
-    take_rows(s, np.asarray([0, 1, -1, -1, -1, -1, -1, -1], np.int32), consume=True)
-    assert steps.TRACE_COUNTS["take_rows"] == before
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+
+
+def test_compiled_ahead_the_move_traces_and_compiles_nothing_new():
+    """What a server's preparation does before a bucket move (`compile_take_rows`) is all the move needs;
+    without it the same move traces and compiles. Row counts no other test uses (11, 13), so nothing
+    earlier in this process has compiled them."""
+    compiles = []
+    listening = [True]
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(event) if listening[0] and event == BACKEND_COMPILE else None)
+    try:
+        s = _filled_state(3)
+        compile_take_rows(jax.eval_shape(lambda: s), 11)
+        before, compiles[:] = steps.TRACE_COUNTS["take_rows"], []
+        out = take_rows(s, np.asarray([2, 0, 1] + [-1] * 8, np.int32), consume=True)
+        assert (steps.TRACE_COUNTS["take_rows"] - before, len(compiles)) == (0, 0)
+        np.testing.assert_array_equal(out.cache.lengths, [7, 5, 9] + [0] * 8)
+        # The control: 13 rows, not compiled ahead.
+        before, compiles[:] = steps.TRACE_COUNTS["take_rows"], []
+        take_rows(_filled_state(3), np.asarray([0, 1, 2] + [-1] * 10, np.int32), consume=True)
+        assert steps.TRACE_COUNTS["take_rows"] > before and compiles
+    finally:
+        listening[0] = False
