@@ -1,7 +1,9 @@
 """Start-up of `python -m eagle_jax.serve` as a user meets it: time to listen, to the first answer to the
 README's curl request, to full speculation at batch bucket 1 and to the end of the background preparation,
 answering the request every 2 s throughout (every answer must be the same greedy text), then a load of
---clients concurrent clients; resident memory (VmRSS, VmHWM) is sampled every second. Runs the server twice
+--clients concurrent clients (greedy, as the README's request), then (unless --no-mixed) the same load with
+every other client sampling, twice: once while the trees' general (sampling) programs compile in the
+background, once after. Resident memory (VmRSS, VmHWM) is sampled every second. Runs the server twice
 on the same caches: a first start (empty caches, unless --keep-cache) and a second start. Prints a table and
 writes JSON.
 
@@ -31,6 +33,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BODY = {"messages": [{"role": "user", "content": "Write a haiku about speculative decoding."}],
         "max_tokens": 64, "temperature": 0}
+
+
+def _vmhwm(pid: int) -> int:
+    st = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status") if ":" in line)
+    return int(st["VmHWM"].split()[0]) * 1024
 
 
 def _get(url):
@@ -113,8 +120,10 @@ def one_start(args, cache: Path, tag: str) -> dict:
         ev["slowest_answer_s"] = max((a[1] for a in answers if a[1] is not None), default=None)
         ts = time.monotonic()
 
-        def client(i):
+        def client(i, mixed=False):
             b = dict(body, messages=[{"role": "user", "content": f"Tell me fact number {i} about rivers."}])
+            if mixed and i % 2:
+                b.update(temperature=0.8, seed=i)
             t = time.monotonic()
             _post(url, b)
             return time.monotonic() - t
@@ -123,6 +132,20 @@ def one_start(args, cache: Path, tag: str) -> dict:
             latencies = list(ex.map(client, range(2 * args.clients)))
         ev["load_s"] = round(time.monotonic() - ts, 1)
         ev["load_slowest_s"] = round(max(latencies), 1)
+        ev["vmhwm_greedy"] = _vmhwm(proc.pid)
+        if args.mixed:
+            for phase in ("mixed_load_s", "mixed_load_again_s"):
+                ts = time.monotonic()
+                with ThreadPoolExecutor(args.clients) as ex:
+                    list(ex.map(lambda i: client(i, mixed=True), range(2 * args.clients)))
+                ev[phase] = round(time.monotonic() - ts, 1)
+                while time.monotonic() - t0 < args.limit:  # the general tree programs asked for, compiled
+                    _, ready = _get(url + "/ready")
+                    prep = (ready or {}).get("preparation", {})
+                    if not prep.get("pending", 1) and prep.get("compiling") is None:
+                        break
+                    time.sleep(1)
+                ev["sampled_speculation"] = prep.get("sampled_speculation")
         _, harness = _get(url + "/harness")
         ev["choices"] = (harness or {}).get("choices")
         from eagle_jax.serve.metrics import parse
@@ -148,6 +171,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cache", help="cache folder (default: a new temporary one, removed afterwards)")
     ap.add_argument("--keep-cache", action="store_true", help="do not empty --cache before the first start")
     ap.add_argument("--smoke", action="store_true", help="a tiny random model (checks the script, not the numbers)")
+    ap.add_argument("--no-mixed", dest="mixed", action="store_false",
+                    help="skip the loads where every other client samples")
     ap.add_argument("--json", default="serve_startup.json")
     args, rest = ap.parse_known_args(argv)
     args.serve_args, args.model_name = rest, "smollm2-135m-instruct"
@@ -172,7 +197,10 @@ def main(argv=None) -> int:
     rows = [("listening", "listening_s", "s"), ("first answer", "first_answer_s", "s"),
             ("bucket 1 speculating", "bucket1_speculating_s", "s"), ("preparation complete", "prepared_s", "s"),
             ("answers during preparation (same / all)", None, ""), ("RSS at first answer", "rss_at_first_answer", "GB"),
-            (f"peak RSS (VmHWM) through {args.clients} clients", "vmhwm", "GB"), ("XLA programs compiled / from cache", None, "")]
+            (f"peak RSS (VmHWM) through {args.clients} greedy clients", "vmhwm_greedy", "GB"),
+            *([(f"peak RSS (VmHWM) through {args.clients} mixed clients", "vmhwm", "GB"),
+               ("mixed load, then again (programs in)", None, "")] if args.mixed else []),
+            ("XLA programs compiled / from cache", None, "")]
     print(f"{'':44s} {'first start':>16s} {'second start':>16s}")
     for label, key, unit in rows:
         cells = []
@@ -180,6 +208,8 @@ def main(argv=None) -> int:
             e = runs[tag]["events"]
             if label.startswith("answers"):
                 cells.append(f"{e.get('answers_same')} / {e.get('answers_during')}")
+            elif label.startswith("mixed"):
+                cells.append(f"{e.get('mixed_load_s', '-')} / {e.get('mixed_load_again_s', '-')} s")
             elif label.startswith("XLA"):
                 x = e.get("xla_programs") or {}
                 cells.append(f"{x.get('compiled')} / {x.get('cache')}")

@@ -10,21 +10,30 @@ costs no memory beyond the programs), every program serving runs:
 2. the same for every larger batch bucket, and prefills of up to `prefill_batches[-1]` prompts;
 3. prefills of prompt buckets above 128 tokens, up to `prefill_chunk` (a longer prompt is prefilled in
    chunks of the compiled sizes);
-4. every candidate tree's step at every batch bucket (speculation joins a bucket tree by tree), except
-   where the cost profile already shows the tree cannot beat plain decoding (`hopeless`): such a
-   program is skipped, which saves its memory (tens of MB of compiled code each) and, on a restart
-   from a cached profile, its load time.
+4. every candidate tree's all-greedy step at every batch bucket (speculation joins a bucket tree by
+   tree), except where the cost profile already shows the tree cannot beat plain decoding
+   (`hopeless`): such a program is skipped, which saves its memory (tens of MB of compiled code each)
+   and, on a restart from a cached profile, its load time;
+5. later, only once a step at some batch bucket has a sampling row: the trees' general steps at that
+   bucket (`want_bucket(bucket, sampled=True)`), first in the queue. Until they are in, such steps are
+   plain steps (the plain step and the prefills are the general programs, which serve any mix of rows).
+
+All-greedy tree programs (`sampling=False`) hold no sampling or sampled-acceptance path: for SmolLM2
+at batch bucket 32 a 3,4,8 step adds 42 MB of compiled code and needs 122 MB of temporaries, where the
+general one adds 81 MB and needs 255 MB. A server whose clients never sample never holds the general
+tree programs at all.
 
 A request whose prefill is not compiled yet moves that prefill to the front of the queue and waits in
 the scheduler's queue, while running rows keep stepping: nothing compiles inside a served step. The
 same goes for a batch bucket's speculation: the bucket in use is prepared next.
 
-`choose_step` is the scheduler's per-step choice: a plain step until a tree is compiled at the bucket,
+`choose_step` is the scheduler's per-step choice: a plain step until a tree is compiled at the bucket
+(for the kind of step: all-greedy, or with a sampling row),
 then each compiled tree measured on real steps (a few steps each, median; any candidate is a lossless
 step, so measuring costs only the difference in speed), then the policy's choice among the measured
-trees. Costs measured while compiles still ran are measured again once preparation is complete. Without
-a Preparation (`OnDemand`, the --no-warmup server and tests) everything counts as compiled, and each
-program compiles the first time it is needed.
+trees. Costs measured while compiles ran (`busy`) are measured again once none runs. Without a
+Preparation (`OnDemand`, the --no-warmup server and tests) everything counts as compiled, each program
+compiles the first time it is needed, and every step runs the general program.
 """
 
 from __future__ import annotations
@@ -53,6 +62,7 @@ class OnDemand:
 
     complete = True
     servable = True
+    busy = False  # whether a compile may be running beside the steps (their times are provisional)
 
     def bucket_ready(self, bucket: int) -> bool:
         return True
@@ -60,13 +70,17 @@ class OnDemand:
     def prefill_ready(self, batch: int, tokens: int) -> bool:
         return True
 
-    def tree_ready(self, bucket: int, tree) -> bool:
+    def tree_ready(self, bucket: int, tree, sampled: bool = False) -> bool:
+        return True
+
+    def step_sampling(self, tree, sampled: bool) -> bool:
+        """The `sampling` flag of the program a step runs (`Engine.run_step`): here always the general one."""
         return True
 
     def want_prefill(self, batch: int, tokens: int) -> None:
         pass
 
-    def want_bucket(self, bucket: int) -> None:
+    def want_bucket(self, bucket: int, sampled: bool = False) -> None:
         pass
 
     def snapshot(self) -> dict:
@@ -118,14 +132,14 @@ class Preparation(OnDemand):
                     add(("prefill", pb, t), lambda b=pb, t=t: self._compile_prefill(b, t))
         for bucket in s.buckets:
             for tree in s.trees:
-                add(("step", bucket, tree.name), lambda b=bucket, tr=tree: self._compile_step(b, tr))
+                add(("step", bucket, tree.name), lambda b=bucket, tr=tree: self._compile_step(b, tr, False))
 
     def _abstract_state(self, batch: int):
         s = self.s
         return jax.eval_shape(lambda: empty_state(s.target, s.head, batch, s.cache_len, s.draft_len))
 
-    def _compile_step(self, bucket: int, tree) -> None:
-        self.s.engine.compile_step(bucket, self.s.cache_len, self.s.draft_len, tree)
+    def _compile_step(self, bucket: int, tree, sampling: bool = True) -> None:
+        self.s.engine.compile_step(bucket, self.s.cache_len, self.s.draft_len, tree, sampling=sampling)
 
     def _skip(self, key) -> str | None:
         """Why the program of this task is not needed (a tree step the cost profile shows cannot win at its
@@ -154,14 +168,21 @@ class Preparation(OnDemand):
             self.thread.start()
 
     def stop(self) -> None:
-        self._stop = True
-        self._wake.set()
+        with self._lock:
+            self._stop = True
+            self._wake.set()
 
     def _run(self) -> None:
         while not self._stop:
             with self._lock:
-                if not self._tasks:
-                    break
+                idle = not self._tasks
+                if idle and not self._stop:
+                    self._wake.clear()
+            if idle:  # all planned programs are in: wait for programs asked for later
+                self._drained()
+                self._wake.wait()
+                continue
+            with self._lock:
                 key, fn = next(iter(self._tasks.items()))
                 self.current = key
             t0 = time.perf_counter()
@@ -190,14 +211,18 @@ class Preparation(OnDemand):
                 log.log(logging.INFO if key[0] != "rows" else logging.DEBUG, "prepared %s in %.1f s (%d of %d, %d left)",
                         name, dt, self.total - left, self.total, left)
             self.on_progress()
-        if not self._stop:
-            self.finished_at = time.monotonic()
-            built = CompileCounter.counts()
-            log.info("preparation complete: %d programs in %.0f s, %d skipped (this process so far: %d XLA programs "
-                     "compiled, %d read from the persistent compilation cache, %d loaded from the program store)",
-                     self.total - len(self._skipped), self.finished_at - self.started_at, len(self._skipped),
-                     built["compiled"], built["cache"], built["store"])
-            self.on_progress()
+
+    def _drained(self) -> None:
+        """Nothing left to compile: the first time, the preparation is complete."""
+        if self.finished_at is not None or self._stop:
+            return
+        self.finished_at = time.monotonic()
+        built = CompileCounter.counts()
+        log.info("preparation complete: %d programs in %.0f s, %d skipped (this process so far: %d XLA programs "
+                 "compiled, %d read from the persistent compilation cache, %d loaded from the program store)",
+                 self.total - len(self._skipped), self.finished_at - self.started_at, len(self._skipped),
+                 built["compiled"], built["cache"], built["store"])
+        self.on_progress()
 
     def _bump(self, keys) -> None:
         with self._lock:
@@ -207,7 +232,12 @@ class Preparation(OnDemand):
     # --- what the scheduler asks ----------------------------------------------------------------------
     @property
     def complete(self) -> bool:
+        """Whether every planned program is in (general tree steps asked for later may still compile)."""
         return self.finished_at is not None
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._tasks) or self.current is not None
 
     @property
     def servable(self) -> bool:
@@ -223,14 +253,30 @@ class Preparation(OnDemand):
     def prefill_ready(self, batch: int, tokens: int) -> bool:
         return self._has(("prefill", batch, tokens)) or ("prefill", batch, tokens) not in self._tasks
 
-    def tree_ready(self, bucket: int, tree) -> bool:
-        return self._has(("step", bucket, tree_name(tree)))
+    def tree_ready(self, bucket: int, tree, sampled: bool = False) -> bool:
+        return self._has(("step", bucket, tree_name(tree)) + (("sampled",) if sampled else ()))
+
+    def step_sampling(self, tree, sampled: bool) -> bool:
+        """Plain steps run the general program; tree steps the all-greedy one unless some row samples."""
+        return tree is None or sampled
 
     def want_prefill(self, batch: int, tokens: int) -> None:
         self._bump([("prefill", batch, tokens)])
 
-    def want_bucket(self, bucket: int) -> None:
-        self._bump([("step", bucket, t.name) for t in self.s.trees])
+    def want_bucket(self, bucket: int, sampled: bool = False) -> None:
+        """The trees' steps at this bucket are needed now (sampled: their general programs, planned now)."""
+        keys = [("step", bucket, t.name) for t in self.s.trees]
+        if sampled:
+            keys = [k + ("sampled",) for k in keys]
+            with self._lock:
+                new = [k for k in keys if k not in self._tasks and not self._has(k) and k not in self._skipped]
+                for k, tree in zip(keys, self.s.trees):
+                    if k in new:
+                        self._tasks[k] = lambda b=bucket, tr=tree: self._compile_step(b, tr, True)
+                self.total += len(new)
+            if new:
+                self._wake.set()
+        self._bump(keys)
 
     def snapshot(self) -> dict:
         with self._lock:
@@ -239,10 +285,13 @@ class Preparation(OnDemand):
         now = self.finished_at or time.monotonic()
         s = self.s
         return {"mode": "background", "complete": self.complete, "servable": self.servable,
-                "programs_done": done, "programs_total": self.total, "programs_skipped": skipped, "seconds": round(now - self.started_at, 1)
-                if self.started_at else 0.0, "compiling": None if current is None else " ".join(map(str, current)),
+                "programs_done": done, "programs_total": self.total, "programs_skipped": skipped,
+                "seconds": round(now - self.started_at, 1) if self.started_at else 0.0,
+                "compiling": None if current is None else " ".join(map(str, current)), "pending": len(pending),
                 "plain_buckets": [b for b in s.buckets if self.bucket_ready(b)],
                 "speculation": {str(b): [t.name for t in s.trees if self.tree_ready(b, t)] for b in s.buckets},
+                "sampled_speculation": {str(b): [t.name for t in s.trees if self.tree_ready(b, t, True)]
+                                        for b in s.buckets},
                 "prefills_pending": sorted({f"{k[1]}x{k[2]}" for k in pending if k[0] == "prefill"}),
                 "failed": {" ".join(map(str, k)): v for k, v in self._failed.items()}}
 
@@ -252,9 +301,9 @@ def choose_step(policy, ready, profile, bucket: int, active: int, synced: int, s
     a fixed tree or plain decoding; only an "online" or cached one is completed by measuring); `kind`: whether some row samples (such a step costs more); trees not
     compiled at this bucket yet are never chosen."""
     trees = [t for t in getattr(policy, "candidates", [getattr(policy, "tree", None)]) if t is not None]
-    compiled = [t for t in trees if ready.tree_ready(bucket, t)]
+    compiled = [t for t in trees if ready.tree_ready(bucket, t, kind)]
     if len(compiled) < len(trees):
-        ready.want_bucket(bucket)
+        ready.want_bucket(bucket, kind)
     if profile is None or profile.source not in LEARNED:  # a fixed tree, or costs given: no measuring
         if trees and not compiled:
             return Choice("off", None, float(active), 0.0 if profile is None else profile.cost(bucket, "off", kind))

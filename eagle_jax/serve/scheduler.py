@@ -76,7 +76,6 @@ class Scheduler:
         self.ready = OnDemand()
         self.profile = getattr(policy, "profile", None)
         self.profile_dir, self.profile_reps = profile_dir, profile_reps
-        self._remeasured = False
 
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
@@ -431,7 +430,8 @@ class Scheduler:
         params = self._sampling_params()
         t0 = time.perf_counter()
         try:
-            self.state, emitted, count = self.engine.run_step(self.state, params, active, choice.tree)
+            self.state, emitted, count = self.engine.run_step(self.state, params, active, choice.tree,
+                                                              sampling=self.ready.step_sampling(choice.tree, kind))
             emitted, count = np.asarray(emitted), np.asarray(count)
         except Exception as e:
             log.exception("decoding step failed")
@@ -467,10 +467,10 @@ class Scheduler:
         """A real step's time, for the cost profile (saved whenever an entry of it completes)."""
         if self.profile is None or self.profile.source not in LEARNED:
             return
-        if self.ready.complete and not self._remeasured:  # costs measured beside compiles: again, now
+        busy = self.ready.busy
+        if not busy and self.profile.provisional:  # costs measured beside compiles: again, now
             self.profile.remeasure_provisional()
-            self._remeasured = True
-        if self.profile.record(bucket, name, seconds, sampled, self.profile_reps, provisional=not self.ready.complete):
+        if self.profile.record(bucket, name, seconds, sampled, self.profile_reps, provisional=busy):
             log.info("harness: measured batch bucket %d %s%s: %.2f ms", bucket, name, " (sampled)" if sampled else "",
                      self.profile.cost(bucket, name, sampled) * 1e3)
             profiles.save(self.profile, self.profile_dir)

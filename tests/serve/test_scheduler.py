@@ -7,6 +7,7 @@ import dataclasses
 import threading
 import time
 
+import numpy as np
 import pytest
 
 import eagle_jax
@@ -170,12 +171,13 @@ def test_background_preparation_compiles_everything_serving_runs():
     # Buckets 1 and 2: a plain step and the row ops each; prefills of 1 and of 2 prompts at prompt buckets
     # 16 and 24; the tree at both buckets.
     assert snap["plain_buckets"] == [1, 2] and snap["speculation"] == {"1": ["3,2,6"], "2": ["3,2,6"]}
+    assert snap["sampled_speculation"] == {"1": [], "2": []}  # compiled only once some row samples
     assert prep.total == 2 + 2 + 4 + 2
     before = dict(steps.TRACE_COUNTS)
     col = Collector(4)
     prompts = [PROMPTS[0], PROMPTS[1], [5] * 24, PROMPTS[2]]
     for i, (p, m) in enumerate(zip(prompts, [4, 30, 8, 12])):  # joins, leaves, batch grows and shrinks
-        sched.submit(Request(p, m, temperature=0.5 * (i % 2), seed=i, sink=col.sink(i)))
+        sched.submit(Request(p, m, seed=i, sink=col.sink(i)))
     sched.start()
     try:
         assert col.done.wait(60)
@@ -183,6 +185,68 @@ def test_background_preparation_compiles_everything_serving_runs():
         sched.shutdown()
     assert col.end == ["length"] * 4
     assert dict(steps.TRACE_COUNTS) == before  # no request waited for a compile
+
+
+@pytest.mark.slow
+def test_sampling_rows_get_plain_steps_until_the_general_tree_programs_compile_in_the_background(monkeypatch):
+    """Prepared tree steps are the all-greedy programs; a step with a sampling row runs the general plain
+    program until the trees' general programs, asked for then, are compiled in the background (never
+    inside a served step); after that such steps speculate with them, and greedy rows stay exact."""
+    from eagle_jax import steps
+
+    target, head = oracle_pair()
+    tree = TreeConfig(3, 2, 6)
+    sched = Scheduler(target, head, FixedPolicy(tree),  # (a sampling row never steps alone at bucket 1)
+                      SchedulerConfig(max_batch=2, max_model_len=64, batch_buckets=(1, 2), prefill_batches=(1, 2),
+                                      shrink_patience=10**6))
+    prep = sched.prepare_in_background(prompt_len=24)
+    gate = threading.Event()  # the general tree programs wait for it
+    compile_step = prep._compile_step
+    monkeypatch.setattr(prep, "_compile_step", lambda b, t, sampling=True: (
+        t is None or not sampling or gate.wait(120), compile_step(b, t, sampling)))
+    ran = []  # (tree, sampling program, some row samples) of every served step
+    run_step = sched.engine.run_step
+
+    def logged(state, params, active, tree, sampling=True, **k):
+        ran.append((tree and tree.name, sampling, bool((np.asarray(params.temperature)[np.asarray(active)] > 0).any())))
+        return run_step(state, params, active, tree, sampling=sampling, **k)
+
+    monkeypatch.setattr(sched.engine, "run_step", logged)
+    sched.start()
+    deadline = time.time() + 120
+    while not prep.complete and time.time() < deadline:
+        time.sleep(0.02)
+    total = prep.total
+    prompts, max_tokens = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[0]], [24, 16, 24, 16]
+    want = [eagle_jax.generate(target, [p], max_new_tokens=m).token_ids[0] for p, m in zip(prompts, max_tokens)]
+    col = Collector(4)
+    try:
+        before = dict(steps.TRACE_COUNTS)
+        for i in (0, 1):  # a greedy row beside a sampling one, while their general tree programs wait
+            sched.submit(Request(prompts[i], max_tokens[i], temperature=0.7 * i, seed=i, sink=col.sink(i)))
+        while col.left > 2 and time.time() < deadline:
+            time.sleep(0.02)
+        assert col.end[:2] == ["length"] * 2 and dict(steps.TRACE_COUNTS) == before
+        mixed = [r for r in ran if r[2]]
+        assert mixed and all(r == (None, True, True) for r in mixed)  # plain steps, the general program
+        assert all(r[1] is False for r in ran if r[0] is not None)  # greedy tree steps: the all-greedy program
+        assert prep.busy and not any(prep.tree_ready(b, tree, True) for b in (1, 2))
+        gate.set()
+        while prep.busy and time.time() < deadline:
+            time.sleep(0.02)
+        snap = prep.snapshot()
+        assert prep.total == total + 1 and snap["programs_done"] == prep.total and not snap["failed"]
+        assert snap["sampled_speculation"] == {"1": [], "2": ["3,2,6"]}  # only where a row sampled
+        before, n = dict(steps.TRACE_COUNTS), len(ran)
+        for i in (2, 3):
+            sched.submit(Request(prompts[i], max_tokens[i], temperature=0.7 * (i - 2), seed=i, sink=col.sink(i)))
+        assert col.done.wait(60)
+    finally:
+        sched.shutdown()
+    assert dict(steps.TRACE_COUNTS) == before  # nothing compiled inside a served step
+    assert ("3,2,6", True, True) in ran[n:]  # a sampling row speculates with the general program now
+    assert col.tokens[0] == want[0] and col.tokens[2] == want[2]  # the greedy rows: plain decoding's tokens
+    assert [len(col.tokens[i]) for i in (1, 3)] == [16, 16]
 
 
 def test_a_tree_that_costs_more_than_its_depth_plus_one_plain_steps_is_hopeless_there_and_above():
@@ -245,7 +309,8 @@ def test_requests_made_during_preparation_equal_plain_greedy_and_speculation_joi
     prep = sched.prepare_in_background(prompt_len=24)
     gate = threading.Event()  # the tree's programs wait for it: requests come while only plain steps exist
     compile_step = prep._compile_step
-    monkeypatch.setattr(prep, "_compile_step", lambda b, t: (t is None or gate.wait(120), compile_step(b, t)))
+    monkeypatch.setattr(prep, "_compile_step", lambda b, t, sampling=True: (t is None or gate.wait(120),
+                                                                            compile_step(b, t, sampling)))
     chosen = []
     choose = scheduler_module.choose_step
     monkeypatch.setattr(scheduler_module, "choose_step", lambda *a: chosen.append(choose(*a).name) or choose(*a))
