@@ -68,16 +68,32 @@ def batch_shapes(max_position: int, prompt_ids, max_new_tokens: int, slack: int 
 @functools.partial(jax.jit, donate_argnames=("s",))
 def insert_rows(s: DecodeState, new: DecodeState, rows):
     """Writes the b rows of `new` into `s` at row indices rows [b]; indices >= s's batch are dropped
-    (padding rows of the newcomers' prefill batch). Both states have the same cache lengths."""
+    (padding rows of the newcomers' prefill batch). `new`'s caches may be longer than `s`'s (a server's
+    larger batch buckets hold shorter rows): their slots past `s`'s length must be empty, and are cut."""
     TRACE_COUNTS["insert_rows"] += 1
-    return jax.tree_util.tree_map(lambda a, x: a.at[rows].set(x.astype(a.dtype), mode="drop"), s, new)
+
+    def put(a, x):
+        if a.ndim >= 2 and x.shape[1] > a.shape[1]:  # a cache array (the only ones whose lengths differ)
+            x = x[:, : a.shape[1]]
+        return a.at[rows].set(x.astype(a.dtype), mode="drop")
+
+    return jax.tree_util.tree_map(put, s, new)
 
 
-@jax.jit
-def _take(a, rows):
-    """Rows `rows` of one array of a state (index < 0: row 0, cleared by `_clear` where it matters)."""
+def _resize_axis1(a, size: int | None):
+    if size is None or size == a.shape[1]:
+        return a
+    if size < a.shape[1]:
+        return a[:, :size]
+    return jnp.pad(a, [(0, 0), (0, size - a.shape[1])] + [(0, 0)] * (a.ndim - 2))
+
+
+@functools.partial(jax.jit, static_argnames=("size",))
+def _take(a, rows, size: int | None = None):
+    """Rows `rows` of one array of a state (index < 0: row 0, cleared by `_clear` where it matters), a
+    cache array cut or zero-padded to `size` slots."""
     TRACE_COUNTS["take_rows"] += 1
-    return jnp.take(a, jnp.maximum(rows, 0), axis=0)
+    return _resize_axis1(jnp.take(a, jnp.maximum(rows, 0), axis=0), size)
 
 
 @jax.jit
@@ -85,18 +101,31 @@ def _clear(lengths, rows):
     return jnp.where(rows >= 0, lengths, 0)
 
 
-def take_rows(s: DecodeState, rows, consume: bool = False) -> DecodeState:
-    """A state of len(rows) rows: row i is s's row rows[i], or an empty row (length 0) where rows[i] < 0.
+def _cache_sizes(s, cache_len: int | None, draft_len: int | None) -> dict[int, int]:
+    """id(array) -> the slots it gets, for the cache arrays of a state (or of its abstract shapes)."""
+    sizes = {}
+    for cache, size in ((s.cache, cache_len), (s.draft_cache, draft_len)):
+        if size is not None:
+            sizes.update({id(a): size for a in (*cache.k, *cache.v)})
+    return sizes
+
+
+def take_rows(s: DecodeState, rows, consume: bool = False, cache_len: int | None = None,
+              draft_len: int | None = None) -> DecodeState:
+    """A state of len(rows) rows: row i is s's row rows[i], or an empty row (length 0) where rows[i] < 0;
+    with cache_len / draft_len, its target / draft caches cut or zero-padded to that many slots (cut
+    only where no row holds anything past them).
 
     One array at a time. With consume=True each of s's arrays is deleted as soon as its rows are copied,
     so moving to a larger batch bucket holds the new state plus one array of the old one, not both
     states whole (SmolLM2's KV cache is 0.84 GB at 16 rows and 1.68 GB at 32); s is unusable after."""
     rows = jnp.asarray(rows, jnp.int32)
+    sizes = _cache_sizes(s, cache_len, draft_len)
     leaves, treedef = jax.tree_util.tree_flatten(s)
     taken: dict[int, jax.Array] = {}  # id(old array) -> its rows: an array in two places is copied once
     for a in leaves:
         if id(a) not in taken:
-            taken[id(a)] = _take(a, rows)
+            taken[id(a)] = _take(a, rows, size=sizes.get(id(a)))
             if consume and isinstance(a, jax.Array):
                 taken[id(a)].block_until_ready()  # the copy is done before the source goes
                 a.delete()
@@ -105,14 +134,15 @@ def take_rows(s: DecodeState, rows, consume: bool = False) -> DecodeState:
     return out.replace(cache=clear(out.cache), draft_cache=clear(out.draft_cache), lag_n=_clear(out.lag_n, rows))
 
 
-def compile_take_rows(state, n: int) -> None:
+def compile_take_rows(state, n: int, cache_len: int | None = None, draft_len: int | None = None) -> None:
     """Compiles (ahead of time, into the compilation caches) what `take_rows` runs to take n rows of a
-    state shaped like `state` (arrays or ShapeDtypeStructs)."""
+    state shaped like `state` (arrays or ShapeDtypeStructs), with these cache lengths."""
     idx = jax.ShapeDtypeStruct((n,), jnp.int32)
+    sizes = _cache_sizes(state, cache_len, draft_len)
     seen = set()
     for a in jax.tree_util.tree_leaves(state):
-        aval = (tuple(a.shape), str(a.dtype))
-        if aval not in seen:
-            seen.add(aval)
-            _take.lower(jax.ShapeDtypeStruct(a.shape, a.dtype), idx).compile()
+        key = (tuple(a.shape), str(a.dtype), sizes.get(id(a)))
+        if key not in seen:
+            seen.add(key)
+            _take.lower(jax.ShapeDtypeStruct(a.shape, a.dtype), idx, size=key[2]).compile()
     _clear.lower(idx, idx).compile()

@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--prefill-tokens", type=int, help=f"padded prompt tokens per prefill (default: {d.prefill_tokens})")
     a("--prefill-chunk", type=int, help="a longer prompt is prefilled alone in chunks of this many tokens, running "
                                         f"requests stepping between them (default: {d.prefill_chunk})")
+    a("--kv-cache-tokens", type=int, help="KV cache slots the running requests share: a batch of b rows holds requests "
+                                          "of up to this / b tokens each (default: 8 rows of --max-model-len; 0: no limit)")
     a("--profile-dir", help="where harness cost profiles are cached (default: ~/.cache/eagle_jax/harness)")
     a("--reprofile", action="store_true", default=None, help="measure the harness cost profile again")
     a("--profile-reps", type=int, help=f"timed repetitions per profiled step (default: {d.profile_reps})")

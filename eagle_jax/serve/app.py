@@ -25,7 +25,7 @@ from eagle_jax import harness, profiles
 from eagle_jax.serve.api import Api
 from eagle_jax.serve.config import ConfigError, ServeConfig
 from eagle_jax.serve.metrics import CompileCounter, Metrics
-from eagle_jax.serve.requests import SchedulerConfig, cache_length
+from eagle_jax.serve.requests import SchedulerConfig, bucket_lengths, cache_length
 from eagle_jax.serve.scheduler import Scheduler
 from eagle_jax.tree import tree_name
 from eagle_jax.serve.schemas import ApiError, ChatRequest, CompletionRequest, decode_json, error_response, parse_body
@@ -176,7 +176,7 @@ def create_app(target, head=None, config=None, *, profile=None, metrics: Metrics
     sched_cfg = SchedulerConfig(max_batch=config.max_batch, max_model_len=max_model_len,
                                 batch_buckets=tuple(config.batch_buckets), prefill_batches=tuple(config.prefill_batches),
                                 prefill_tokens=config.prefill_tokens, prefill_chunk=config.prefill_chunk,
-                                max_queue=config.max_queue)
+                                max_queue=config.max_queue, kv_cache_tokens=kv_cache_tokens(config, max_model_len))
     CompileCounter.watch()
     head, policy = speculation_policy(target, head, config, sched_cfg, profile)
     scheduler = Scheduler(target, head, policy, sched_cfg, metrics, profile_dir=config.profile_dir,
@@ -187,6 +187,15 @@ def create_app(target, head=None, config=None, *, profile=None, metrics: Metrics
         scheduler.prepare_in_background(config.warmup_prompt_len)
     api = Api(scheduler, config.served_model_name or target.name, max_model_len, metrics, config.api_key)
     return build_app(api)
+
+
+def kv_cache_tokens(config: ServeConfig, max_model_len: int) -> int:
+    """`config.kv_cache_tokens`, or by default room for 8 rows of max_model_len (with the tree slack)."""
+    if config.kv_cache_tokens is not None:
+        return config.kv_cache_tokens
+    mode, tree = config.speculation_mode()
+    trees = {"off": [], "fixed": [tree]}.get(mode, config.candidate_trees())
+    return 8 * cache_length(max_model_len, trees)
 
 
 def speculation_policy(target, head, config: ServeConfig, sched_cfg: SchedulerConfig, profile=None):
@@ -206,6 +215,8 @@ def speculation_policy(target, head, config: ServeConfig, sched_cfg: SchedulerCo
     candidates = [None] + trees
     if profile is None:  # the cached one, else measured on real steps as the server serves
         cache_len = cache_length(sched_cfg.max_model_len, candidates)
+        if sched_cfg.kv_cache_tokens:  # batch buckets with shorter caches: steps of other costs
+            cache_len = [c for _, c in bucket_lengths(sched_cfg, candidates).values()]
         key = profiles.profile_key(target, head, sched_cfg.buckets(), [tree_name(t) for t in candidates], cache_len)
         profile = None if config.reprofile else profiles.load_cached(key, config.profile_dir)
         if profile is None:

@@ -37,6 +37,9 @@ class ServeConfig:
     prefill_batches: tuple[int, ...] = (1, 4)
     prefill_tokens: int = 2048
     prefill_chunk: int = 64
+    # KV cache slots the running rows share (default: 8 rows of max_model_len; 0: every row holds
+    # max_model_len). Larger batch buckets then hold shorter requests (`SchedulerConfig.kv_cache_tokens`).
+    kv_cache_tokens: int | None = None
     profile_dir: str | None = None  # default ~/.cache/eagle_jax/harness
     reprofile: bool = False
     profile_reps: int = 5
@@ -51,6 +54,8 @@ class ServeConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.prefill_chunk < 16:
             raise ConfigError(f"prefill_chunk must be >= 16 tokens, got {self.prefill_chunk}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 0:
+            raise ConfigError(f"kv_cache_tokens must be >= 0 (0: no limit), got {self.kv_cache_tokens}")
         if self.max_queue < 0:
             raise ConfigError(f"max_queue must be >= 0, got {self.max_queue}")
         if not 0 <= self.port < 65536:

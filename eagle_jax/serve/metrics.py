@@ -61,6 +61,20 @@ class Metrics:
         with self._lock:
             self._counters[key] = self._counters.get(key, 0.0) + value
 
+    def count_step(self, config: str, rows: int, tokens: int, seconds: float, explore: bool) -> None:
+        """One decoding step of candidate `config` over `rows` rows that emitted `tokens` tokens."""
+        self.inc("eagle_steps_total", config=config)
+        self.inc("eagle_step_rows_total", rows, config=config)
+        self.inc("eagle_step_tokens_total", tokens, config=config)
+        self.inc("eagle_step_seconds_total", seconds, config=config)
+        if explore:
+            self.inc("eagle_harness_explore_total")
+
+    def count_prefill(self, prompt_tokens: int, seconds: float) -> None:
+        self.inc("eagle_prefills_total")
+        self.inc("eagle_prefill_seconds_total", seconds)
+        self.inc("eagle_prompt_tokens_total", prompt_tokens)
+
     def get(self, name: str, **labels) -> float:
         with self._lock:
             return self._counters.get((name, tuple(sorted(labels.items()))), 0.0)

@@ -46,6 +46,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from eagle_jax import profiles
 from eagle_jax.harness import Choice
 from eagle_jax.rows import compile_take_rows, insert_rows
 from eagle_jax.serve.metrics import CompileCounter
@@ -134,12 +135,14 @@ class Preparation(OnDemand):
             for tree in s.trees:
                 add(("step", bucket, tree.name), lambda b=bucket, tr=tree: self._compile_step(b, tr, False))
 
-    def _abstract_state(self, batch: int):
+    def _abstract_state(self, batch: int, full: bool = False):
+        """The shapes of a batch bucket's state (full: of a prefill's, whose caches hold max_model_len)."""
         s = self.s
-        return jax.eval_shape(lambda: empty_state(s.target, s.head, batch, s.cache_len, s.draft_len))
+        lengths = (s.cache_len, s.draft_len) if full else s.caches(batch)
+        return jax.eval_shape(lambda: empty_state(s.target, s.head, batch, *lengths))
 
     def _compile_step(self, bucket: int, tree, sampling: bool = True) -> None:
-        self.s.engine.compile_step(bucket, self.s.cache_len, self.s.draft_len, tree, sampling=sampling)
+        self.s.engine.compile_step(bucket, *self.s.caches(bucket), tree, sampling=sampling)
 
     def _skip(self, key) -> str | None:
         """Why the program of this task is not needed (a tree step the cost profile shows cannot win at its
@@ -155,10 +158,10 @@ class Preparation(OnDemand):
         """Newcomers' scatters into this bucket, and the gathers between it and every smaller bucket."""
         state = self._abstract_state(bucket)
         for pb in self.s.prefill_batches:
-            insert_rows.lower(state, self._abstract_state(pb), jax.ShapeDtypeStruct((pb,), jnp.int32)).compile()
+            insert_rows.lower(state, self._abstract_state(pb, full=True), jax.ShapeDtypeStruct((pb,), jnp.int32)).compile()
         for other in smaller:
-            compile_take_rows(state, other)
-            compile_take_rows(self._abstract_state(other), bucket)
+            compile_take_rows(state, other, *self.s.caches(other))
+            compile_take_rows(self._abstract_state(other), bucket, *self.s.caches(bucket))
 
     # --- the thread ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -318,6 +321,20 @@ def choose_step(policy, ready, profile, bucket: int, active: int, synced: int, s
     if not measured:
         return Choice("off", None, float(active), profile.cost(bucket, "off", kind))
     return policy.choose(bucket, active, synced, sampled, allowed=measured)
+
+
+def record_cost(profile, busy: bool, bucket: int, name: str, seconds: float, sampled: bool, reps: int,
+                profile_dir) -> None:
+    """A served step's time, for a cost profile the server completes (`LEARNED`; saved whenever an entry
+    of it completes). busy: a compile ran beside it, so the cost is measured again once none does."""
+    if profile is None or profile.source not in LEARNED:
+        return
+    if not busy and profile.provisional:  # costs measured beside compiles: again, now
+        profile.remeasure_provisional()
+    if profile.record(bucket, name, seconds, sampled, reps, provisional=busy):
+        log.info("harness: measured batch bucket %d %s%s: %.2f ms", bucket, name, " (sampled)" if sampled else "",
+                 profile.cost(bucket, name, sampled) * 1e3)
+        profiles.save(profile, profile_dir)
 
 
 def hopeless(profile, bucket: int, tree) -> str | None:

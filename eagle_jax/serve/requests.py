@@ -79,10 +79,16 @@ class SchedulerConfig:
     prefill_chunk: int = 64
     max_queue: int = 256  # waiting requests beyond the running ones before QueueFull
     shrink_patience: int = 8
+    # KV cache slots the running rows share (0: no limit, every row holds max_model_len). A batch bucket
+    # of b rows gets kv_cache_tokens / b slots a row (at most max_model_len's): larger buckets take only
+    # shorter requests (prompt + max_tokens), and their caches and attention cost what they hold.
+    kv_cache_tokens: int = 0
 
     def __post_init__(self):
         if self.prefill_chunk < 16:
             raise ValueError(f"prefill_chunk must be >= 16 tokens, got {self.prefill_chunk}")
+        if self.kv_cache_tokens < 0:
+            raise ValueError(f"kv_cache_tokens must be >= 0 (0: no limit), got {self.kv_cache_tokens}")
 
     def buckets(self) -> tuple[int, ...]:
         if self.batch_buckets:
@@ -99,3 +105,17 @@ def cache_length(max_model_len: int, trees) -> int:
     """Target cache length: max_model_len plus the tree slack, rounded up to a multiple of 128."""
     need = max_model_len + tree_slack(trees)
     return -(-need // 128) * 128
+
+
+def bucket_lengths(config: SchedulerConfig, trees) -> dict[int, tuple[int, int]]:
+    """Batch bucket -> (the longest request, prompt + max_tokens, one of its rows holds; its target cache
+    length). Without `kv_cache_tokens` every bucket holds max_model_len; with it, a bucket of b rows gets
+    kv_cache_tokens / b slots a row, rounded down to a multiple of 128, but never less than room for a
+    64-token request nor more than the full length."""
+    full = cache_length(config.max_model_len, trees)
+    least = cache_length(min(64, config.max_model_len), trees)
+    out = {}
+    for b in config.buckets():
+        cache = full if not config.kv_cache_tokens else min(full, max(least, config.kv_cache_tokens // b // 128 * 128))
+        out[b] = (min(config.max_model_len, cache - tree_slack(trees)), cache)
+    return out

@@ -34,11 +34,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle_jax import profiles
 from eagle_jax.engine import engine_for
 from eagle_jax.rows import insert_rows, length_bucket, pad_prompts, take_rows
-from eagle_jax.serve.prepare import LEARNED, OnDemand, Preparation, choose_step
-from eagle_jax.serve.requests import Event, QueueFull, Request, SchedulerConfig, ShuttingDown, cache_length
+from eagle_jax.serve.prepare import OnDemand, Preparation, choose_step, record_cost
+from eagle_jax.serve.requests import (Event, QueueFull, Request, SchedulerConfig, ShuttingDown, bucket_lengths,
+                                      cache_length)
 from eagle_jax.sampling import SamplingParams
 from eagle_jax.steps import DecodeState, draft_extra, empty_state
 from eagle_jax.stream import TokenStream
@@ -67,8 +67,9 @@ class Scheduler:
         self.engine = engine_for(target, head)  # the same jitted steps as generate and bench
         self.buckets = config.buckets()
         self.prefill_batches = tuple(sorted(set(config.prefill_batches)))
-        self.cache_len = cache_length(config.max_model_len, trees)
+        self.cache_len = cache_length(config.max_model_len, trees)  # a prefill's (a full-length row's)
         self.draft_len = self.cache_len + draft_extra(trees)
+        self.lengths = bucket_lengths(config, trees)  # bucket -> (longest request, cache length) of its rows
         self.eos = set(target.eos_token_ids)
         self.trees = trees
         # What may run now (everything, compiled on first use, unless `prepare_in_background`), and the
@@ -232,13 +233,14 @@ class Scheduler:
     def _resize(self, bucket: int) -> None:
         """Gathers the running rows (compacted to the front) into a state of `bucket` rows."""
         rows = [i for i, r in enumerate(self.slots) if r is not None]
+        cache_len, draft_len = self.caches(bucket)
         if self.state is None:
-            self.state = empty_state(self.target, self.head, bucket, self.cache_len, self.draft_len)
+            self.state = empty_state(self.target, self.head, bucket, cache_len, draft_len)
         else:
             src = np.asarray(rows + [-1] * (bucket - len(rows)), np.int32)
             # One array of the old state at a time (`take_rows(consume=True)`); if the move fails part-way,
             # the old state keeps its deleted arrays and `_recover_if_broken` starts over.
-            self.state = take_rows(self.state, src, consume=True)
+            self.state = take_rows(self.state, src, consume=True, cache_len=cache_len, draft_len=draft_len)
         self.slots = [self.slots[i] for i in rows] + [None] * (bucket - len(rows))
         synced = np.zeros(bucket, bool)
         synced[: len(rows)] = self.synced[rows] if len(rows) else False
@@ -248,6 +250,19 @@ class Scheduler:
                 r.slot = i
         self._params = None
         self._small_steps = 0
+
+    def caches(self, bucket: int) -> tuple[int, int]:
+        """(target, draft) cache lengths of a batch bucket's state (`SchedulerConfig.kv_cache_tokens`)."""
+        c = self.lengths[bucket][1]
+        return c, c + self.draft_len - self.cache_len
+
+    def _target_bucket(self, reqs) -> int | None:
+        """The batch bucket the running rows plus `reqs` move to (the smallest compiled one with room for
+        them all), or None when none holds them (a bucket's rows are at most `lengths[b][0]` tokens long)."""
+        rows = [r for r in self.slots if r is not None] + list(reqs)
+        need = max((len(r.prompt_ids) + r.max_tokens for r in rows), default=0)
+        b = next((x for x in self._ready_buckets() if x >= len(rows)), None)
+        return b if b is not None and need <= self.lengths[b][0] else None
 
     def _sampling_params(self) -> SamplingParams:
         if self._params is None:
@@ -273,6 +288,9 @@ class Scheduler:
                 longest = max([len(r.prompt_ids) for r in out] + [len(nxt.prompt_ids)])
                 b = next(x for x in self.prefill_batches if x >= len(out) + 1)
                 if out and b * length_bucket(longest) > self.config.prefill_tokens:
+                    break
+                # Room for the request (and a long prompt still being prefilled) in the bucket they need.
+                if self._target_bucket(out + [nxt] + ([self._chunked.req] if self._chunked else [])) is None:
                     break
                 if not self.ready.prefill_ready(b, self.prompt_bucket(longest)):
                     if not out:  # compiled next; running rows keep stepping meanwhile
@@ -320,7 +338,7 @@ class Scheduler:
         if not self.ready.prefill_ready(1, t):
             self.ready.want_prefill(1, t)
             return False
-        if last and not any(b > sum(r is not None for r in self.slots) for b in self._ready_buckets()):
+        if last and self._target_bucket([job.req]) is None:
             return False
         try:
             tokens, lens = pad_prompts([ids[job.done: job.done + n]], 1, t)
@@ -351,10 +369,11 @@ class Scheduler:
     def _place(self, newcomers, new: DecodeState, b: int):
         """Scatters prefilled rows (`new`, b rows, the first len(newcomers) real) into free slots of the
         batch, gathering it into a larger bucket first when it is full. Returns their first tokens."""
-        ready = self._ready_buckets()
+        bucket = self._target_bucket(newcomers)  # checked when they were taken
         need = sum(r is not None for r in self.slots) + len(newcomers)
-        if self.state is None or need > len(self.slots):
-            self._resize(next(x for x in ready if x >= need))
+        longest = max(len(r.prompt_ids) + r.max_tokens for r in self.slots + list(newcomers) if r is not None)
+        if self.state is None or need > len(self.slots) or longest > self.lengths[len(self.slots)][0]:
+            self._resize(bucket)
         free_slots = [i for i, r in enumerate(self.slots) if r is None][: len(newcomers)]
         dst = np.asarray(free_slots + [len(self.slots)] * (b - len(newcomers)), np.int32)
         self.state = insert_rows(self.state, new, jnp.asarray(dst))
@@ -376,9 +395,7 @@ class Scheduler:
 
     def _count_prefill(self, newcomers, seconds: float) -> None:
         if self.metrics is not None:
-            self.metrics.inc("eagle_prefills_total")
-            self.metrics.inc("eagle_prefill_seconds_total", seconds)
-            self.metrics.inc("eagle_prompt_tokens_total", sum(len(r.prompt_ids) for r in newcomers))
+            self.metrics.count_prefill(sum(len(r.prompt_ids) for r in newcomers), seconds)
 
     def _started(self, newcomers, first) -> None:
         """Newcomers placed in the batch: their streams, and their first token (the prefill's root)."""
@@ -445,35 +462,16 @@ class Scheduler:
             return
         dt = time.perf_counter() - t0
         self.steps += 1
-        self._measured(bucket, choice.name, dt, kind)
+        record_cost(self.profile, self.ready.busy, bucket, choice.name, dt, kind, self.profile_reps, self.profile_dir)
         self.last_batch = n_active
         observed = [r for r in range(bucket) if active[r] and self.synced[r]]
         self.policy.observe(choice.tree, [int(count[r]) for r in observed], [bool(samples[r]) for r in observed])
-        tokens = 0
         for slot in range(bucket):
             if active[slot]:
-                tokens += self._deliver(slot, emitted[slot, : int(count[slot])].tolist())
+                self._deliver(slot, emitted[slot, : int(count[slot])].tolist())
         if self.metrics is not None:
-            name = choice.name
-            self.metrics.inc("eagle_steps_total", config=name)
-            self.metrics.inc("eagle_step_rows_total", n_active, config=name)
-            self.metrics.inc("eagle_step_tokens_total", int(count[active].sum()), config=name)
-            self.metrics.inc("eagle_step_seconds_total", dt, config=name)
-            if choice.explore:
-                self.metrics.inc("eagle_harness_explore_total")
+            self.metrics.count_step(choice.name, n_active, int(count[active].sum()), dt, choice.explore)
         self._maybe_shrink()
-
-    def _measured(self, bucket: int, name: str, seconds: float, sampled: bool) -> None:
-        """A real step's time, for the cost profile (saved whenever an entry of it completes)."""
-        if self.profile is None or self.profile.source not in LEARNED:
-            return
-        busy = self.ready.busy
-        if not busy and self.profile.provisional:  # costs measured beside compiles: again, now
-            self.profile.remeasure_provisional()
-        if self.profile.record(bucket, name, seconds, sampled, self.profile_reps, provisional=busy):
-            log.info("harness: measured batch bucket %d %s%s: %.2f ms", bucket, name, " (sampled)" if sampled else "",
-                     self.profile.cost(bucket, name, sampled) * 1e3)
-            profiles.save(self.profile, self.profile_dir)
 
     def _deliver(self, slot: int, tokens: list[int]) -> int:
         """Hands a row's new tokens (and the text they complete) to its request, stopping at EOS, a stop

@@ -85,6 +85,57 @@ def test_batch_shrinks_and_grows_between_steps_without_changing_any_output(specu
     assert resizes[:2] == [4, 1] and 4 in resizes[2:]  # grew for the first wave, shrank, grew again
 
 
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "spec"])
+def test_a_kv_budget_gives_larger_buckets_shorter_rows_and_a_long_request_waits_for_room(speculative, monkeypatch):
+    """kv_cache_tokens: bucket 4 holds rows of at most 128 cache slots, buckets 1 and 2 the full 256. A
+    long request keeps the batch at 2 rows (the third waits), short ones then fill bucket 4, and rows
+    moving between the cache lengths keep plain decoding's tokens."""
+    from eagle_jax.serve.requests import bucket_lengths
+
+    target, head, policy = models(speculative)
+    cfg = SchedulerConfig(max_batch=4, max_model_len=200, batch_buckets=(1, 2, 4), prefill_batches=(1, 2),
+                          shrink_patience=1, kv_cache_tokens=512)
+    sched = Scheduler(target, head, policy, cfg)
+    trees = sched.trees
+    assert {b: c for b, (_, c) in bucket_lengths(cfg, trees).items()} == {1: 256, 2: 256, 4: 128}
+    longest4 = sched.lengths[4][0]
+    assert longest4 == 128 - (1 if not speculative else trees[0].tree_tokens + trees[0].depth)
+    states = []  # (bucket, target cache slots, longest request running) at every step
+    run_step = sched.engine.run_step
+
+    def logged(state, *a, **k):
+        rows = [r for r in sched.slots if r is not None]
+        if threading.current_thread() is sched.thread:  # (not the reference decoding below)
+            states.append((state.root.shape[0], state.cache.k[0].shape[1],
+                           max(len(r.prompt_ids) + r.max_tokens for r in rows)))
+        return run_step(state, *a, **k)
+
+    monkeypatch.setattr(sched.engine, "run_step", logged)
+    long_prompt = [(3 * i + 1) % 50 + 1 for i in range(20)]
+    prompts = [long_prompt, PROMPTS[0], PROMPTS[1], [9, 9, 2]] + [PROMPTS[2], PROMPTS[0], [5, 6, 7], PROMPTS[1]]
+    max_tokens = [150, 12, 40, 20] + [30, 25, 20, 35]  # the first needs 170 slots: never in bucket 4
+    col = Collector(len(prompts))
+    reqs = [Request(p, m, sink=col.sink(i)) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+    for r in reqs[:4]:
+        sched.submit(r)
+    sched.start()
+    try:
+        deadline = time.time() + 120
+        while col.end[0] is None:  # a second wave of short requests once the long one is done
+            assert time.time() < deadline
+            time.sleep(0.005)
+        for r in reqs[4:]:
+            sched.submit(r)
+        assert col.done.wait(180)
+    finally:
+        sched.shutdown()
+    want = [eagle_jax.generate(target, [p], max_new_tokens=m).token_ids[0] for p, m in zip(prompts, max_tokens)]
+    assert col.tokens == want and col.end == ["length"] * len(prompts)
+    assert all(c == {1: 256, 2: 256, 4: 128}[b] and need <= sched.lengths[b][0] for b, c, need in states)
+    assert any(b == 2 and need == 170 for b, _, need in states)  # the long row ran beside a short one
+    assert any(b == 4 for b, _, _ in states)  # the short ones filled bucket 4 once it had left
+
+
 def test_cancelling_a_queued_request_ends_it_without_tokens_and_others_finish():
     target = tiny_target()
     sched = Scheduler(target, None, FixedPolicy(None), SchedulerConfig(max_batch=2, max_model_len=64,
