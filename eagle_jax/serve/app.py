@@ -149,8 +149,9 @@ def add_service_routes(app: FastAPI, api: Api) -> None:
         prep = api.scheduler.ready.snapshot()
         ok = api.scheduler.alive and prep["servable"]
         status = ("ready" if prep["complete"] else "preparing") if ok else "starting"
-        return JSONResponse({"status": status, "model": api.model_name, "preparation": prep},
-                            status_code=200 if ok else 503)
+        longest = {str(b): n for b, (n, _) in api.scheduler.lengths.items()}  # the KV budget's effect
+        return JSONResponse({"status": status, "model": api.model_name, "preparation": prep,
+                             "longest_request_by_batch_bucket": longest}, status_code=200 if ok else 503)
 
     @app.get("/harness")
     async def harness_state():
@@ -181,6 +182,8 @@ def create_app(target, head=None, config=None, *, profile=None, metrics: Metrics
     head, policy = speculation_policy(target, head, config, sched_cfg, profile)
     scheduler = Scheduler(target, head, policy, sched_cfg, metrics, profile_dir=config.profile_dir,
                           profile_reps=config.profile_reps)
+    log.info("KV cache: %d slots shared; longest request (prompt + max_tokens) a row holds, by batch bucket: %s",
+             sched_cfg.kv_cache_tokens, ", ".join(f"{b}: {n}" for b, (n, _) in scheduler.lengths.items()))
     if config.warmup:  # compiled in the background once the app starts; served meanwhile
         if config.compile_cache:  # a restart loads the prepared programs without tracing them
             scheduler.engine.use_store(os.path.join(config.compile_cache, "programs"))

@@ -61,6 +61,20 @@ def test_settings_the_model_cannot_serve_are_errors():
         create_app(tiny, None, ServeConfig(speculation="fixed:4,4,16", warmup=False))
     with pytest.raises(ConfigError, match="context length"):
         create_app(tiny, None, ServeConfig(max_model_len=100_000, warmup=False))
+    with pytest.raises(ConfigError, match="kv_cache_tokens must be >= 0"):
+        ServeConfig(kv_cache_tokens=-1)
+
+
+def test_the_kv_budget_defaults_to_eight_full_rows_and_shapes_the_batch_buckets():
+    tiny = tiny_target()
+    lengths = lambda **kw: {b: n for b, (n, _) in create_app(tiny, None, ServeConfig(
+        max_model_len=200, speculation="off", warmup=False, **kw)).state.api.scheduler.lengths.items()}
+    # 8 rows of 256 slots: 256 a row up to bucket 8, 128 at 16, 128 (the least, room for 64 tokens) at 32.
+    assert lengths() == {1: 200, 2: 200, 4: 200, 8: 200, 16: 127, 32: 127}
+    assert lengths(kv_cache_tokens=0) == {b: 200 for b in (1, 2, 4, 8, 16, 32)}  # no budget
+    assert lengths(kv_cache_tokens=4096, max_batch=16) == {1: 200, 2: 200, 4: 200, 8: 200, 16: 200}
+    cfg = build_config(build_parser().parse_args(["--kv-cache-tokens", "1024"]))
+    assert cfg.kv_cache_tokens == 1024
 
 
 @pytest.mark.slow
@@ -154,6 +168,7 @@ def test_readiness_reports_progress_and_a_second_start_compiles_nothing(tmp_path
     total = seen[-1][1]["preparation"]["programs_total"]
     assert progress == sorted(progress) and progress[-1] == total and total >= 6  # steps, rows, prefills, trees
     assert seen[-1][1]["preparation"]["speculation"] == {"1": ["3,1,4"], "2": ["3,1,4"]}
+    assert seen[-1][1]["longest_request_by_batch_bucket"] == {"1": 64, "2": 64}
     for code, body in seen:  # 503 exactly while nothing can be served yet
         assert (code == 200) == body["preparation"]["servable"] and body["status"] in ("starting", "preparing", "ready")
     assert first["compiled"] >= total
