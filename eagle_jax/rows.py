@@ -101,6 +101,29 @@ def _clear(lengths, rows):
     return jnp.where(rows >= 0, lengths, 0)
 
 
+def _on_host(leaves) -> bool:
+    """Whether every array sits on one CPU device, whose buffers numpy can read in place."""
+    return all(isinstance(a, jax.Array) and len(a.devices()) == 1 and next(iter(a.devices())).platform == "cpu"
+               for a in leaves)
+
+
+def _take_on_host(a, rows: np.ndarray, size: int | None = None):
+    """`_take` for an array on a CPU device, in numpy: no compiled program per shape and row count."""
+    src = np.asarray(a)  # the device buffer itself, read-only
+    idx = np.maximum(rows, 0)
+    if size is None or size == src.shape[1]:
+        out = np.take(src, idx, axis=0)
+    else:
+        keep = min(size, src.shape[1])
+        out = np.zeros((len(idx), size) + src.shape[2:], src.dtype)
+        out[:, :keep] = src[idx, :keep]
+    return jax.device_put(out, a.sharding)
+
+
+def _clear_on_host(lengths, rows: np.ndarray):
+    return jax.device_put(np.where(rows >= 0, np.asarray(lengths), 0).astype(lengths.dtype), lengths.sharding)
+
+
 def _cache_sizes(s, cache_len: int | None, draft_len: int | None) -> dict[int, int]:
     """id(array) -> the slots it gets, for the cache arrays of a state (or of its abstract shapes)."""
     sizes = {}
@@ -111,32 +134,41 @@ def _cache_sizes(s, cache_len: int | None, draft_len: int | None) -> dict[int, i
 
 
 def take_rows(s: DecodeState, rows, consume: bool = False, cache_len: int | None = None,
-              draft_len: int | None = None) -> DecodeState:
+              draft_len: int | None = None, host: bool | None = None) -> DecodeState:
     """A state of len(rows) rows: row i is s's row rows[i], or an empty row (length 0) where rows[i] < 0;
     with cache_len / draft_len, its target / draft caches cut or zero-padded to that many slots (cut
     only where no row holds anything past them).
 
     One array at a time. With consume=True each of s's arrays is deleted as soon as its rows are copied,
     so moving to a larger batch bucket holds the new state plus one array of the old one, not both
-    states whole (SmolLM2's KV cache is 0.84 GB at 16 rows and 1.68 GB at 32); s is unusable after."""
-    rows = jnp.asarray(rows, jnp.int32)
+    states whole (SmolLM2's KV cache is 0.84 GB at 16 rows and 1.68 GB at 32); s is unusable after.
+    A state on one CPU device is moved by numpy, in place of the compiled gathers (`_take`): a server
+    would otherwise hold a small program for every array shape and every pair of batch buckets (about
+    240 for SmolLM2's default buckets, 1 MB or more each). host=False forces the compiled gathers."""
     sizes = _cache_sizes(s, cache_len, draft_len)
     leaves, treedef = jax.tree_util.tree_flatten(s)
+    host = _on_host(leaves) if host is None else host
+    rows = np.asarray(rows, np.int32) if host else jnp.asarray(rows, jnp.int32)
+    take, clear_rows = (_take_on_host, _clear_on_host) if host else (_take, _clear)
     taken: dict[int, jax.Array] = {}  # id(old array) -> its rows: an array in two places is copied once
     for a in leaves:
         if id(a) not in taken:
-            taken[id(a)] = _take(a, rows, size=sizes.get(id(a)))
+            taken[id(a)] = take(a, rows, size=sizes.get(id(a)))
             if consume and isinstance(a, jax.Array):
                 taken[id(a)].block_until_ready()  # the copy is done before the source goes
                 a.delete()
     out = jax.tree_util.tree_unflatten(treedef, [taken[id(a)] for a in leaves])
-    clear = lambda c: c.replace(lengths=_clear(c.lengths, rows))
-    return out.replace(cache=clear(out.cache), draft_cache=clear(out.draft_cache), lag_n=_clear(out.lag_n, rows))
+    clear = lambda c: c.replace(lengths=clear_rows(c.lengths, rows))
+    return out.replace(cache=clear(out.cache), draft_cache=clear(out.draft_cache), lag_n=clear_rows(out.lag_n, rows))
 
 
-def compile_take_rows(state, n: int, cache_len: int | None = None, draft_len: int | None = None) -> None:
+def compile_take_rows(state, n: int, cache_len: int | None = None, draft_len: int | None = None,
+                      host: bool | None = None) -> None:
     """Compiles (ahead of time, into the compilation caches) what `take_rows` runs to take n rows of a
-    state shaped like `state` (arrays or ShapeDtypeStructs), with these cache lengths."""
+    state shaped like `state` (arrays or ShapeDtypeStructs), with these cache lengths. Nothing to compile
+    where the state would sit on a CPU device (`take_rows` moves such rows with numpy)."""
+    if jax.devices()[0].platform == "cpu" if host is None else host:
+        return
     idx = jax.ShapeDtypeStruct((n,), jnp.int32)
     sizes = _cache_sizes(state, cache_len, draft_len)
     seen = set()
