@@ -220,7 +220,7 @@ def test_background_preparation_compiles_everything_serving_runs():
     snap = prep.snapshot()
     assert prep.complete and snap["programs_done"] == snap["programs_total"] == prep.total and not snap["failed"]
     # Buckets 1 and 2: a plain step and the row ops each; prefills of 1 and of 2 prompts at prompt buckets
-    # 16 and 24; the tree at both buckets.
+    # 16 and 32; the tree at both buckets.
     assert snap["plain_buckets"] == [1, 2] and snap["speculation"] == {"1": ["3,2,6"], "2": ["3,2,6"]}
     assert snap["sampled_speculation"] == {"1": [], "2": []}  # compiled only once some row samples
     assert prep.total == 2 + 2 + 4 + 2
