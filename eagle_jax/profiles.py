@@ -138,7 +138,8 @@ def profile_key(target, head, buckets: Sequence[int], candidates: Sequence[str],
         "device": device_kind(), "jax": jax.__version__, "code": step_code_hash(),
         "model": target.name, "model_cfg": repr(target.cfg), "model_dtype": str(target.model.dtype),
         "head_cfg": None if head is None else repr(head.cfg), "head_dtype": None if head is None else str(head.dtype),
-        "buckets": list(buckets), "candidates": list(candidates), "cache_len": int(cache_len) if isinstance(cache_len, int) else [int(c) for c in cache_len],
+        "buckets": list(buckets), "candidates": list(candidates),
+        "cache_len": int(cache_len) if isinstance(cache_len, int) else [int(c) for c in cache_len],
         "method": 3,  # bumped when the measurement changes (2: interleaved rounds; 3: sampled steps too)
     }
     if not sampling:

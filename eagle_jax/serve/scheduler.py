@@ -369,11 +369,10 @@ class Scheduler:
     def _place(self, newcomers, new: DecodeState, b: int):
         """Scatters prefilled rows (`new`, b rows, the first len(newcomers) real) into free slots of the
         batch, gathering it into a larger bucket first when it is full. Returns their first tokens."""
-        bucket = self._target_bucket(newcomers)  # checked when they were taken
         need = sum(r is not None for r in self.slots) + len(newcomers)
         longest = max(len(r.prompt_ids) + r.max_tokens for r in self.slots + list(newcomers) if r is not None)
         if self.state is None or need > len(self.slots) or longest > self.lengths[len(self.slots)][0]:
-            self._resize(bucket)
+            self._resize(self._target_bucket(newcomers))  # a bucket with room: checked when they were taken
         free_slots = [i for i, r in enumerate(self.slots) if r is None][: len(newcomers)]
         dst = np.asarray(free_slots + [len(self.slots)] * (b - len(newcomers)), np.int32)
         self.state = insert_rows(self.state, new, jnp.asarray(dst))

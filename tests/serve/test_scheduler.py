@@ -52,6 +52,24 @@ def models(speculative: bool):
     return tiny_target(), None, FixedPolicy(None)
 
 
+def run_in_two_waves(sched, col, reqs, first: int, second_wave_when, why, timeout: float = 120) -> None:
+    """Submits reqs[:first], starts the loop, submits the rest once second_wave_when() holds (within 60 s,
+    else fails with why()), and waits until every request has ended."""
+    for r in reqs[:first]:
+        sched.submit(r)
+    sched.start()
+    try:
+        deadline = time.time() + 60
+        while not second_wave_when():
+            assert time.time() < deadline, why()
+            time.sleep(0.005)
+        for r in reqs[first:]:
+            sched.submit(r)
+        assert col.done.wait(timeout)
+    finally:
+        sched.shutdown()
+
+
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "spec"])
 def test_batch_shrinks_and_grows_between_steps_without_changing_any_output(speculative, monkeypatch):
     target, head, policy = models(speculative)
@@ -65,20 +83,8 @@ def test_batch_shrinks_and_grows_between_steps_without_changing_any_output(specu
     max_tokens = [3, 6, 70, 9, 40, 5]  # the long ones outlive the others: 4 rows -> 1 row -> 4 rows
     col = Collector(len(prompts))
     reqs = [Request(p, m, sink=col.sink(i)) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
-    for r in reqs[:4]:
-        sched.submit(r)
-    sched.start()
-    try:
-        # The second wave arrives once the batch has shrunk to one row.
-        deadline = time.time() + 60
-        while 1 not in resizes[1:]:
-            assert time.time() < deadline, f"the batch did not shrink: {resizes}"
-            time.sleep(0.005)
-        for r in reqs[4:]:
-            sched.submit(r)
-        assert col.done.wait(120)
-    finally:
-        sched.shutdown()
+    # The second wave arrives once the batch has shrunk to one row.
+    run_in_two_waves(sched, col, reqs, 4, lambda: 1 in resizes[1:], lambda: f"the batch did not shrink: {resizes}")
     want = [eagle_jax.generate(target, [p], max_new_tokens=m).token_ids[0] for p, m in zip(prompts, max_tokens)]
     assert col.tokens == want
     assert col.end == ["length"] * len(prompts)
@@ -116,19 +122,9 @@ def test_a_kv_budget_gives_larger_buckets_shorter_rows_and_a_long_request_waits_
     max_tokens = [150, 12, 40, 20] + [30, 25, 20, 35]  # the first needs 170 slots: never in bucket 4
     col = Collector(len(prompts))
     reqs = [Request(p, m, sink=col.sink(i)) for i, (p, m) in enumerate(zip(prompts, max_tokens))]
-    for r in reqs[:4]:
-        sched.submit(r)
-    sched.start()
-    try:
-        deadline = time.time() + 120
-        while col.end[0] is None:  # a second wave of short requests once the long one is done
-            assert time.time() < deadline
-            time.sleep(0.005)
-        for r in reqs[4:]:
-            sched.submit(r)
-        assert col.done.wait(180)
-    finally:
-        sched.shutdown()
+    # A second wave of short requests once the long one is done.
+    run_in_two_waves(sched, col, reqs, 4, lambda: col.end[0] is not None, lambda: "the long request did not end",
+                     timeout=180)
     want = [eagle_jax.generate(target, [p], max_new_tokens=m).token_ids[0] for p, m in zip(prompts, max_tokens)]
     assert col.tokens == want and col.end == ["length"] * len(prompts)
     assert all(c == {1: 256, 2: 256, 4: 128}[b] and need <= sched.lengths[b][0] for b, c, need in states)
