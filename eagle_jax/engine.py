@@ -127,13 +127,13 @@ class Engine:
         b, shape = batch, jax.eval_shape
         draft_len = draft_len if self.head is not None else 0
 
-        def build():
+        def build(fresh: bool):
             return steps.compile_prefill(
                 self.graphdef, self.state, self.head_graphdef, self.head_state,
                 jax.ShapeDtypeStruct((b, tokens), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
                 shape(lambda: self.target.model.init_cache(b, cache_len)),
                 shape(lambda: self.head.init_cache(b, draft_len)) if self.head is not None else None,
-                _abstract(SamplingParams.make(b)), None, sampling, self.n_params)
+                _abstract(SamplingParams.make(b)), None, sampling, self.n_params, fresh)
 
         self._keep(("prefill", b, tokens, cache_len, draft_len, sampling), build)
 
@@ -142,13 +142,27 @@ class Engine:
         """Compiles one step of `tree` (None: plain) at these shapes without running it (`steps.compile_step`)."""
         draft_len = draft_len if self.head is not None else 0
 
-        def build():
+        def build(fresh: bool):
             s = jax.eval_shape(lambda: steps.empty_state(self.target, self.head, batch, cache_len, draft_len))
             return steps.compile_step(self.graphdef, self.state, self.head_graphdef, self.head_state, s,
                                       _abstract(SamplingParams.make(batch)),
-                                      jax.ShapeDtypeStruct((batch,), jnp.bool_), tree, None, sampling, self.n_params)
+                                      jax.ShapeDtypeStruct((batch,), jnp.bool_), tree, None, sampling, self.n_params,
+                                      fresh)
 
         self._keep(("step", batch, cache_len, draft_len, tree_name(tree), sampling), build)
+
+    def stored_step(self, batch: int, cache_len: int, draft_len: int, tree: TreeConfig | None, sampling: bool) -> bool:
+        """Whether the program store holds this step's program (`compile_step` would load it, not compile it)."""
+        draft_len = draft_len if self.head is not None else 0
+        key = ("step", batch, cache_len, draft_len, tree_name(tree), sampling)
+        return (self.store is not None and not quick(self.n_params * batch, steps.QUICK_COMPILE_WORK)
+                and self.store.path(" ".join(map(str, key))).exists())
+
+    def drop_step(self, batch: int, cache_len: int, draft_len: int, tree: TreeConfig | None, sampling: bool) -> bool:
+        """Forgets a step program kept through the store (`compile_step` loads it again, from the store):
+        its memory is freed once a step running it returns. Returns whether one was kept."""
+        draft_len = draft_len if self.head is not None else 0
+        return self.programs.pop(("step", batch, cache_len, draft_len, tree_name(tree), sampling), None) is not None
 
     # --- programs kept ahead of time --------------------------------------------------------------
     def use_store(self, directory=None) -> ProgramStore:
@@ -164,9 +178,9 @@ class Engine:
         # Programs compiled without LLVM optimisation (small models and batches, `steps.QUICK_COMPILE_WORK`)
         # do not reload reliably on XLA:CPU (kernels missing at run time), and compile in a second anyway.
         if self.store is None or quick(self.n_params * key[1], steps.QUICK_COMPILE_WORK):
-            build()  # compiled into jax's own caches: the next call of these shapes runs it
-        elif key not in self.programs:
-            self.programs[key] = self.store.load_or_build(" ".join(map(str, key)), build)
+            build(False)  # compiled into jax's own caches: the next call of these shapes runs it
+        elif key not in self.programs:  # kept here alone (fresh), so dropping it frees it
+            self.programs[key] = self.store.load_or_build(" ".join(map(str, key)), lambda: build(True))
 
     @staticmethod
     def _draft_len(draft_cache) -> int:

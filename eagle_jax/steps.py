@@ -336,24 +336,29 @@ def _step(graphdef, state, head_graphdef, head_state, s: DecodeState, params: Sa
 
 
 def compile_prefill(graphdef, state, head_graphdef, head_state, tokens, prompt_lens, cache, draft_cache, params,
-                    window: int | None = None, sampling: bool = True, n_params: int | None = None):
+                    window: int | None = None, sampling: bool = True, n_params: int | None = None,
+                    fresh: bool = False):
     """Compiles the prefill `prefill` would run for arguments of these shapes (jax.ShapeDtypeStruct trees
     or arrays) without running it or allocating its buffers: a later `prefill` call of the same shapes
     dispatches the compiled program. Returns it (a jax Compiled, called with the non-static arguments:
-    state, head_state, tokens, prompt_lens, cache, draft_cache, params, follow)."""
+    state, head_state, tokens, prompt_lens, cache, draft_cache, params, follow). fresh: compiled outside
+    JAX's caches (`JitPair.fresh`), so the returned program is the only one and is freed with it (a later
+    `prefill` call compiles again; for callers that keep and call the program itself)."""
     n = param_count(state, head_state) if n_params is None else n_params
-    fn = _PREFILL[quick(n * tokens.shape[0], QUICK_COMPILE_WORK, state)]
+    is_quick = quick(n * tokens.shape[0], QUICK_COMPILE_WORK, state)
+    fn = _PREFILL.fresh(is_quick) if fresh else _PREFILL[is_quick]
     follow = jax.ShapeDtypeStruct((tokens.shape[0],), jnp.int32)
     return fn.lower(graphdef, state, head_graphdef, head_state, tokens, prompt_lens, cache, draft_cache, params,
                     follow, window, sampling).compile()
 
 
 def compile_step(graphdef, state, head_graphdef, head_state, s, params, active, tree: TreeConfig | None = None,
-                 window: int | None = None, sampling: bool = True, n_params: int | None = None):
-    """Compiles the step `step` would run for arguments of these shapes (as `compile_prefill`); returns it
-    (called with state, head_state, s, params, active)."""
+                 window: int | None = None, sampling: bool = True, n_params: int | None = None, fresh: bool = False):
+    """Compiles the step `step` would run for arguments of these shapes (as `compile_prefill`, fresh
+    included); returns it (called with state, head_state, s, params, active)."""
     n = param_count(state, head_state) if n_params is None else n_params
-    fn = _STEP[quick(n * s.root.shape[0], QUICK_COMPILE_WORK, state)]
+    is_quick = quick(n * s.root.shape[0], QUICK_COMPILE_WORK, state)
+    fn = _STEP.fresh(is_quick) if fresh else _STEP[is_quick]
     return fn.lower(graphdef, state, head_graphdef, head_state, s, params, active, tree, False, window,
                     sampling).compile()
 

@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         f"requests stepping between them (default: {d.prefill_chunk})")
     a("--kv-cache-tokens", type=int, help="KV cache slots the running requests share: a batch of b rows holds requests "
                                           "of up to this / b tokens each (default: 8 rows of --max-model-len; 0: no limit)")
+    a("--resident-tree-buckets", type=int, help="batch buckets whose speculation programs stay loaded; others are "
+                                                "loaded again when stepped (default: "
+                                                f"{d.resident_tree_buckets}; 0: all)")
     a("--profile-dir", help="where harness cost profiles are cached (default: ~/.cache/eagle_jax/harness)")
     a("--reprofile", action="store_true", default=None, help="measure the harness cost profile again")
     a("--profile-reps", type=int, help=f"timed repetitions per profiled step (default: {d.profile_reps})")

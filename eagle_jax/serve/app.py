@@ -177,7 +177,8 @@ def create_app(target, head=None, config=None, *, profile=None, metrics: Metrics
     sched_cfg = SchedulerConfig(max_batch=config.max_batch, max_model_len=max_model_len,
                                 batch_buckets=tuple(config.batch_buckets), prefill_batches=tuple(config.prefill_batches),
                                 prefill_tokens=config.prefill_tokens, prefill_chunk=config.prefill_chunk,
-                                max_queue=config.max_queue, kv_cache_tokens=kv_cache_tokens(config, max_model_len))
+                                max_queue=config.max_queue, kv_cache_tokens=kv_cache_tokens(config, max_model_len),
+                                resident_tree_buckets=config.resident_tree_buckets)
     CompileCounter.watch()
     head, policy = speculation_policy(target, head, config, sched_cfg, profile)
     scheduler = Scheduler(target, head, policy, sched_cfg, metrics, profile_dir=config.profile_dir,

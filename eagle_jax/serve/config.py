@@ -40,6 +40,8 @@ class ServeConfig:
     # KV cache slots the running rows share (default: 8 rows of max_model_len; 0: every row holds
     # max_model_len). Larger batch buckets then hold shorter requests (`SchedulerConfig.kv_cache_tokens`).
     kv_cache_tokens: int | None = None
+    # Batch buckets whose tree programs stay loaded (0: all; `SchedulerConfig.resident_tree_buckets`).
+    resident_tree_buckets: int = 2
     profile_dir: str | None = None  # default ~/.cache/eagle_jax/harness
     reprofile: bool = False
     profile_reps: int = 5
@@ -56,6 +58,8 @@ class ServeConfig:
             raise ConfigError(f"prefill_chunk must be >= 16 tokens, got {self.prefill_chunk}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 0:
             raise ConfigError(f"kv_cache_tokens must be >= 0 (0: no limit), got {self.kv_cache_tokens}")
+        if self.resident_tree_buckets < 0:
+            raise ConfigError(f"resident_tree_buckets must be >= 0 (0: all), got {self.resident_tree_buckets}")
         if self.max_queue < 0:
             raise ConfigError(f"max_queue must be >= 0, got {self.max_queue}")
         if not 0 <= self.port < 65536:

@@ -84,6 +84,9 @@ class OnDemand:
     def want_bucket(self, bucket: int, sampled: bool = False) -> None:
         pass
 
+    def touch(self, bucket: int) -> None:
+        pass
+
     def snapshot(self) -> dict:
         return {"mode": "on-demand", "complete": True, "servable": True}
 
@@ -104,6 +107,12 @@ class Preparation(OnDemand):
         self.thread: threading.Thread | None = None
         self.started_at = self.finished_at = None
         self.current = None
+        # Tree programs of at most `keep` batch buckets stay loaded (0: all; see `_evict`).
+        self.keep = scheduler.config.resident_tree_buckets
+        self._recent: collections.OrderedDict = collections.OrderedDict()  # buckets with trees, least recent first
+        self.in_use = None  # the bucket the scheduler steps now: its programs are never dropped
+        self._evicted: set = set()  # tree tasks whose programs were dropped (loaded again when wanted)
+        self.evictions = 0
         # Longer prompts are prefilled in chunks of at most prefill_chunk tokens: no program beyond that.
         longest = min(prompt_len or scheduler.config.max_model_len - 1, scheduler.config.max_model_len - 1,
                       scheduler.config.prefill_chunk)
@@ -190,30 +199,93 @@ class Preparation(OnDemand):
                 self.current = key
             t0 = time.perf_counter()
             skipped = self._skip(key)
+            stored = skipped is None and self._left_stored(key)
             try:
-                if skipped is None:
+                if skipped is None and not stored:
                     fn()
             except Exception as e:  # a program that cannot compile is compiled on first use instead
                 log.exception("preparing %s failed", key)
                 self._failed[key] = f"{type(e).__name__}: {e}"
-            if skipped is None:
-                release_free_memory()
             dt = time.perf_counter() - t0
             with self._lock:
                 self._tasks.pop(key, None)
-                if skipped is None:
-                    self._done.add(key)
-                else:
+                if skipped is not None:
                     self._skipped[key] = skipped
+                elif stored:
+                    self._evicted.add(key)
+                else:
+                    self._done.add(key)
                 self.current = None
                 left = len(self._tasks)
+            if skipped is None and not stored:
+                self._evict(key)
+                release_free_memory()
             name = " ".join(map(str, key))
             if skipped is not None:
                 log.info("skipped %s: %s (%d of %d, %d left)", name, skipped, self.total - left, self.total, left)
+            elif stored:
+                log.info("left %s in the program store until its bucket is stepped (%d of %d, %d left)", name,
+                         self.total - left, self.total, left)
             else:
                 log.log(logging.INFO if key[0] != "rows" else logging.DEBUG, "prepared %s in %.1f s (%d of %d, %d left)",
                         name, dt, self.total - left, self.total, left)
             self.on_progress()
+
+    def _evict(self, key) -> None:
+        """After tree program `key` is in: drops the tree programs of the least recently stepped batch
+        buckets beyond `keep` (never the bucket being stepped; a bucket prepared but never stepped counts
+        as least recent). Only programs kept through the engine's program store are dropped: wanting the
+        bucket again (`want_bucket`) loads them from there (about 0.5 s each for SmolLM2), and its steps are
+        plain steps meanwhile. A tree step never finds its program gone: the bucket it runs at is `in_use`
+        from `touch` (in `choose_step`, before readiness is asked) until the next step's `touch`."""
+        if key[0] != "step" or key[2] == "off":
+            return
+        engine, dropped = self.s.engine, []
+        with self._lock:
+            if key[1] not in self._recent:
+                self._recent[key[1]] = None
+                self._recent.move_to_end(key[1], last=False)
+            if not self.keep:
+                return
+            for b in self._victims():
+                for k in [k for k in self._done if k[:2] == ("step", b) and self._kept(k)]:
+                    self._done.discard(k)
+                    self._evicted.add(k)
+                    dropped.append(k)
+        for k in dropped:
+            engine.drop_step(k[1], *self.s.caches(k[1]), self._tree(k), k[-1] == "sampled")
+        if dropped:
+            self.evictions += len(dropped)
+            log.info("dropped the tree programs of batch bucket(s) %s (keeping %d buckets' loaded; they load "
+                     "again when stepped)", sorted({k[1] for k in dropped}), self.keep)
+
+    def _victims(self, candidate=None) -> list:
+        """The buckets `_evict` drops now (with `candidate`'s programs counted in, least recent if new)."""
+        order = list(self._recent)
+        if candidate is not None and candidate not in order:
+            order.insert(0, candidate)
+        resident = [b for b in order if b == candidate or any(self._kept(k) for k in self._done if k[:2] == ("step", b))]
+        return [b for b in resident if b != self.in_use][:max(len(resident) - self.keep, 0)]
+
+    def _left_stored(self, key) -> bool:
+        """A planned tree program that `_evict` would drop as soon as it is in, and which the program store
+        holds: it stays there (a restart does not load programs only to drop them)."""
+        if not self.keep or key[0] != "step" or key[2] == "off":
+            return False
+        with self._lock:
+            if key[1] not in self._victims(key[1]):
+                return False
+        return self.s.engine.stored_step(key[1], *self.s.caches(key[1]), self._tree(key), key[-1] == "sampled")
+
+    def _tree(self, key):
+        return next(t for t in self.s.trees if t.name == key[2])
+
+    def _kept(self, key) -> bool:
+        """Whether a done tree task's program is kept by the engine (through its store), so it can be dropped."""
+        if key[0] != "step" or key[2] == "off":
+            return False
+        b, sampled = key[1], key[-1] == "sampled"
+        return ("step", b, *self.s.caches(b), key[2], sampled) in self.s.engine.programs
 
     def _drained(self) -> None:
         """Nothing left to compile: the first time, the preparation is complete."""
@@ -267,19 +339,27 @@ class Preparation(OnDemand):
         self._bump([("prefill", batch, tokens)])
 
     def want_bucket(self, bucket: int, sampled: bool = False) -> None:
-        """The trees' steps at this bucket are needed now (sampled: their general programs, planned now)."""
-        keys = [("step", bucket, t.name) for t in self.s.trees]
-        if sampled:
-            keys = [k + ("sampled",) for k in keys]
-            with self._lock:
-                new = [k for k in keys if k not in self._tasks and not self._has(k) and k not in self._skipped]
-                for k, tree in zip(keys, self.s.trees):
-                    if k in new:
-                        self._tasks[k] = lambda b=bucket, tr=tree: self._compile_step(b, tr, True)
-                self.total += len(new)
-            if new:
-                self._wake.set()
+        """The trees' steps at this bucket are needed now (sampled: their general programs, planned now;
+        programs dropped by `_evict` are planned again)."""
+        keys = [("step", bucket, t.name) + (("sampled",) if sampled else ()) for t in self.s.trees]
+        with self._lock:
+            new = [k for k in keys if k not in self._tasks and not self._has(k) and k not in self._skipped
+                   and (sampled or k in self._evicted)]
+            for k, tree in zip(keys, self.s.trees):
+                if k in new:
+                    self._tasks[k] = lambda b=bucket, tr=tree: self._compile_step(b, tr, sampled)
+                    self._evicted.discard(k)
+            self.total += len(new)
+        if new:
+            self._wake.set()
         self._bump(keys)
+
+    def touch(self, bucket: int) -> None:
+        """A step at this batch bucket is being chosen: its programs stay loaded (see `_evict`)."""
+        with self._lock:
+            self.in_use = bucket
+            self._recent[bucket] = None
+            self._recent.move_to_end(bucket)
 
     def snapshot(self) -> dict:
         with self._lock:
@@ -295,6 +375,9 @@ class Preparation(OnDemand):
                 "speculation": {str(b): [t.name for t in s.trees if self.tree_ready(b, t)] for b in s.buckets},
                 "sampled_speculation": {str(b): [t.name for t in s.trees if self.tree_ready(b, t, True)]
                                         for b in s.buckets},
+                "resident_tree_buckets": [b for b in s.buckets if any(self.tree_ready(b, t, k) for t in s.trees
+                                                                       for k in (False, True))],
+                "tree_programs_dropped": self.evictions,
                 "prefills_pending": sorted({f"{k[1]}x{k[2]}" for k in pending if k[0] == "prefill"}),
                 "failed": {" ".join(map(str, k)): v for k, v in self._failed.items()}}
 
@@ -303,6 +386,7 @@ def choose_step(policy, ready, profile, bucket: int, active: int, synced: int, s
     """The candidate for this step (see the module doc). `profile` is the harness's cost profile (None for
     a fixed tree or plain decoding; only an "online" or cached one is completed by measuring); `kind`: whether some row samples (such a step costs more); trees not
     compiled at this bucket yet are never chosen."""
+    ready.touch(bucket)
     trees = [t for t in getattr(policy, "candidates", [getattr(policy, "tree", None)]) if t is not None]
     compiled = [t for t in trees if ready.tree_ready(bucket, t, kind)]
     if len(compiled) < len(trees):

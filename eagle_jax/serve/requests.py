@@ -83,12 +83,18 @@ class SchedulerConfig:
     # of b rows gets kv_cache_tokens / b slots a row (at most max_model_len's): larger buckets take only
     # shorter requests (prompt + max_tokens), and their caches and attention cost what they hold.
     kv_cache_tokens: int = 0
+    # Batch buckets whose tree programs a prepared server keeps loaded (0: all). The least recently stepped
+    # bucket's are dropped beyond that and loaded again from the program store when it is stepped again
+    # (`serve.prepare.Preparation`): a bucket's trees hold 0.2-0.6 GB of compiled programs for SmolLM2.
+    resident_tree_buckets: int = 0
 
     def __post_init__(self):
         if self.prefill_chunk < 16:
             raise ValueError(f"prefill_chunk must be >= 16 tokens, got {self.prefill_chunk}")
         if self.kv_cache_tokens < 0:
             raise ValueError(f"kv_cache_tokens must be >= 0 (0: no limit), got {self.kv_cache_tokens}")
+        if self.resident_tree_buckets < 0:
+            raise ValueError(f"resident_tree_buckets must be >= 0 (0: all), got {self.resident_tree_buckets}")
 
     def buckets(self) -> tuple[int, ...]:
         if self.batch_buckets:
