@@ -18,6 +18,18 @@ costs no memory beyond the programs), every program serving runs:
    bucket (`want_bucket(bucket, sampled=True)`), first in the queue. Until they are in, such steps are
    plain steps (the plain step and the prefills are the general programs, which serve any mix of rows).
 
+Each step and prefill program kept through the engine's program store runs once on empty inputs after
+it is prepared, where those take at most WARM_BYTES (`Engine.warm`): XLA:CPU builds the pipelines of a
+program's library dot fusions on its first run (0.2-0.4 s for a SmolLM2 step), and a served step should
+not pay that (it stretched the gap a running stream sees while a long prompt joins from 0.8 to 1.1 s).
+
+Tree programs kept through the engine's program store stay loaded for at most
+`SchedulerConfig.resident_tree_buckets` batch buckets (the server's default: 2), the most recently
+stepped ones. Those of a bucket beyond that are dropped (`_evict`; a SmolLM2 bucket's trees hold 0.2-0.6 GB)
+and planned again when a step at that bucket wants them, first in the queue: they load from the store in
+about 0.5 s each, and the bucket's steps are plain steps meanwhile. On a restart, planned programs that
+would be dropped at once stay in the store unloaded. The bucket being stepped is never dropped.
+
 All-greedy tree programs (`sampling=False`) hold no sampling or sampled-acceptance path: for SmolLM2
 at batch bucket 32 a 3,4,8 step adds 42 MB of compiled code and needs 122 MB of temporaries, where the
 general one adds 81 MB and needs 255 MB. A server whose clients never sample never holds the general
@@ -55,6 +67,10 @@ from eagle_jax.tree import tree_name
 
 log = logging.getLogger("eagle_jax.serve")
 
+# Programs run once after they are prepared (`Engine.warm`) when their empty inputs take at most this:
+# for SmolLM2 at the default KV budget, the steps of batch buckets 1 and 2 and one-prompt prefills. Larger
+# inputs would add their size to the server's peak while it serves, for a one-time 0.3-0.5 s.
+WARM_BYTES = 128 << 20
 LEARNED = ("online", "cache")  # profiles a server completes by measuring real steps (not "given" or "measured")
 
 
@@ -203,6 +219,7 @@ class Preparation(OnDemand):
             try:
                 if skipped is None and not stored:
                     fn()
+                    self._warm(key)
             except Exception as e:  # a program that cannot compile is compiled on first use instead
                 log.exception("preparing %s failed", key)
                 self._failed[key] = f"{type(e).__name__}: {e}"
@@ -256,8 +273,9 @@ class Preparation(OnDemand):
             engine.drop_step(k[1], *self.s.caches(k[1]), self._tree(k), k[-1] == "sampled")
         if dropped:
             self.evictions += len(dropped)
-            log.info("dropped the tree programs of batch bucket(s) %s (keeping %d buckets' loaded; they load "
-                     "again when stepped)", sorted({k[1] for k in dropped}), self.keep)
+            log.log(logging.DEBUG if dropped == [key] else logging.INFO,  # (a bucket prepared but not stepped)
+                    "dropped the tree programs of batch bucket(s) %s (keeping %d buckets' loaded; they load "
+                    "again when stepped)", sorted({k[1] for k in dropped}), self.keep)
 
     def _victims(self, candidate=None) -> list:
         """The buckets `_evict` drops now (with `candidate`'s programs counted in, least recent if new)."""
@@ -282,10 +300,24 @@ class Preparation(OnDemand):
 
     def _kept(self, key) -> bool:
         """Whether a done tree task's program is kept by the engine (through its store), so it can be dropped."""
-        if key[0] != "step" or key[2] == "off":
-            return False
-        b, sampled = key[1], key[-1] == "sampled"
-        return ("step", b, *self.s.caches(b), key[2], sampled) in self.s.engine.programs
+        return key[0] == "step" and key[2] != "off" and self._engine_key(key) in self.s.engine.programs
+
+    def _engine_key(self, key):
+        """The engine's key (`Engine.programs`) of a step or prefill task's program."""
+        e, s = self.s.engine, self.s
+        if key[0] == "prefill":
+            return e.prefill_key(key[1], key[2], s.cache_len, s.draft_len)
+        tree = None if key[2] == "off" else self._tree(key)
+        return e.step_key(key[1], *s.caches(key[1]), tree, tree is None or key[-1] == "sampled")
+
+    def _warm(self, key) -> None:
+        """A step or prefill program's first run, on empty inputs of at most WARM_BYTES (`Engine.warm`)."""
+        if key[0] not in ("step", "prefill"):
+            return
+        try:
+            self.s.engine.warm(self._engine_key(key), WARM_BYTES)
+        except Exception as e:  # only the first served run's speed is at stake
+            log.warning("warming %s failed (%s: %s)", " ".join(map(str, key)), type(e).__name__, e)
 
     def _drained(self) -> None:
         """Nothing left to compile: the first time, the preparation is complete."""

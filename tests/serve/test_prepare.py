@@ -83,6 +83,8 @@ def test_tree_programs_of_idle_buckets_are_dropped_and_load_again_when_stepped(t
         return run_step(state, params, active, t, sampling=sampling, **k)
 
     monkeypatch.setattr(engine, "run_step", logged)
+    warmed, warm = [], engine.warm
+    monkeypatch.setattr(engine, "warm", lambda key, limit: warmed.append((key, warm(key, limit))) or warmed[-1][1])
     sched.start()
     deadline = time.time() + 300
     while not prep.complete and time.time() < deadline:
@@ -91,6 +93,11 @@ def test_tree_programs_of_idle_buckets_are_dropped_and_load_again_when_stepped(t
     assert prep.complete and not snap["failed"]
     assert len(tree_programs()) == 1 and snap["tree_programs_dropped"] == 2  # bucket 1's stays: the first
     assert snap["resident_tree_buckets"] == tree_programs() == [1]
+    # Every step and prefill program ran once after it was prepared (its first run's setup paid ahead).
+    assert all(ran for _, ran in warmed) and {k for k, _ in warmed} >= set(engine.programs)
+    assert {k[0] for k, _ in warmed} == {"step", "prefill"} and not steps_run  # (none of them a served step)
+    some = next(iter(engine.programs))
+    assert not warm(some, limit=0) and not warm(("step", 64) + some[2:], limit=1 << 40)  # too large; not kept
 
     class Sink:
         def __init__(self):
