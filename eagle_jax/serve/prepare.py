@@ -18,22 +18,14 @@ costs no memory beyond the programs), every program serving runs:
    bucket (`want_bucket(bucket, sampled=True)`), first in the queue. Until they are in, such steps are
    plain steps (the plain step and the prefills are the general programs, which serve any mix of rows).
 
-Each step and prefill program kept through the engine's program store runs once on empty inputs after
-it is prepared, where those take at most WARM_BYTES (`Engine.warm`): XLA:CPU builds the pipelines of a
-program's library dot fusions on its first run (0.2-0.4 s for a SmolLM2 step), and a served step should
-not pay that (it stretched the gap a running stream sees while a long prompt joins from 0.8 to 1.1 s).
+Programs kept through the engine's program store are warmed (`_warm`: one run on small empty inputs,
+since XLA:CPU builds a program's dot pipelines on its first run), and only the tree programs of the
+`SchedulerConfig.resident_tree_buckets` most recently stepped batch buckets stay loaded (`_evict`): a
+dropped bucket's load again from the store, first in the queue, when a step there wants them.
 
-Tree programs kept through the engine's program store stay loaded for at most
-`SchedulerConfig.resident_tree_buckets` batch buckets (the server's default: 2), the most recently
-stepped ones. Those of a bucket beyond that are dropped (`_evict`; a SmolLM2 bucket's trees hold 0.2-0.6 GB)
-and planned again when a step at that bucket wants them, first in the queue: they load from the store in
-about 0.5 s each, and the bucket's steps are plain steps meanwhile. On a restart, planned programs that
-would be dropped at once stay in the store unloaded. The bucket being stepped is never dropped.
-
-All-greedy tree programs (`sampling=False`) hold no sampling or sampled-acceptance path: for SmolLM2
-at batch bucket 32 a 3,4,8 step adds 42 MB of compiled code and needs 122 MB of temporaries, where the
-general one adds 81 MB and needs 255 MB. A server whose clients never sample never holds the general
-tree programs at all.
+All-greedy tree programs (`sampling=False`) hold no sampling or sampled-acceptance path (SmolLM2, 3,4,8
+at bucket 32: 42 against 81 MB resident, 122 against 255 MB of temporaries); a server whose clients
+never sample never holds the general tree programs.
 
 A request whose prefill is not compiled yet moves that prefill to the front of the queue and waits in
 the scheduler's queue, while running rows keep stepping: nothing compiles inside a served step. The
@@ -67,9 +59,8 @@ from eagle_jax.tree import tree_name
 
 log = logging.getLogger("eagle_jax.serve")
 
-# Programs run once after they are prepared (`Engine.warm`) when their empty inputs take at most this:
-# for SmolLM2 at the default KV budget, the steps of batch buckets 1 and 2 and one-prompt prefills. Larger
-# inputs would add their size to the server's peak while it serves, for a one-time 0.3-0.5 s.
+# Programs run once when prepared (`Engine.warm`) if their empty inputs take at most this (SmolLM2: steps of
+# buckets 1-2, one-prompt prefills); larger ones would add to the peak while serving, to save 0.3-0.5 s once.
 WARM_BYTES = 128 << 20
 LEARNED = ("online", "cache")  # profiles a server completes by measuring real steps (not "given" or "measured")
 
@@ -249,12 +240,11 @@ class Preparation(OnDemand):
             self.on_progress()
 
     def _evict(self, key) -> None:
-        """After tree program `key` is in: drops the tree programs of the least recently stepped batch
-        buckets beyond `keep` (never the bucket being stepped; a bucket prepared but never stepped counts
-        as least recent). Only programs kept through the engine's program store are dropped: wanting the
-        bucket again (`want_bucket`) loads them from there (about 0.5 s each for SmolLM2), and its steps are
-        plain steps meanwhile. A tree step never finds its program gone: the bucket it runs at is `in_use`
-        from `touch` (in `choose_step`, before readiness is asked) until the next step's `touch`."""
+        """After tree program `key` is in: drops the tree programs (kept through the engine's store) of
+        the least recently stepped buckets beyond `keep`; one prepared but never stepped counts as least
+        recent. `want_bucket` loads them again (about 0.5 s each for SmolLM2); plain steps meanwhile. The
+        bucket a step runs at is `in_use` from `touch` (in `choose_step`, before readiness is asked) until
+        the next step's `touch`, and never dropped: a tree step never finds its program gone."""
         if key[0] != "step" or key[2] == "off":
             return
         engine, dropped = self.s.engine, []

@@ -52,7 +52,7 @@ def test_freed_large_buffers_go_back_to_the_os_and_an_explicit_setting_is_kept()
 @pytest.mark.slow
 def test_tree_programs_of_idle_buckets_are_dropped_and_load_again_when_stepped(tmp_path, monkeypatch):
     """With resident_tree_buckets=1 only one batch bucket's tree programs stay loaded: a batch that grows
-    and shrinks drops the others' and loads them again from the program store in the background. A tree
+    and shrinks drops the other's and loads them again from the program store in the background. A tree
     step always finds its program (the bucket being stepped is never dropped), speculation rejoins every
     bucket it returns to, and the tokens are plain greedy decoding's."""
     import eagle_jax
@@ -67,7 +67,7 @@ def test_tree_programs_of_idle_buckets_are_dropped_and_load_again_when_stepped(t
     target, head = oracle_pair()
     tree = TreeConfig(3, 2, 6)
     sched = Scheduler(target, head, FixedPolicy(tree),
-                      SchedulerConfig(max_batch=4, max_model_len=128, batch_buckets=(1, 2, 4), prefill_batches=(1,),
+                      SchedulerConfig(max_batch=2, max_model_len=128, batch_buckets=(1, 2), prefill_batches=(1,),
                                       shrink_patience=1, resident_tree_buckets=1))
     engine = sched.engine
     engine.use_store(tmp_path / "programs")
@@ -91,7 +91,7 @@ def test_tree_programs_of_idle_buckets_are_dropped_and_load_again_when_stepped(t
         time.sleep(0.05)
     snap = prep.snapshot()
     assert prep.complete and not snap["failed"]
-    assert len(tree_programs()) == 1 and snap["tree_programs_dropped"] == 2  # bucket 1's stays: the first
+    assert len(tree_programs()) == 1 and snap["tree_programs_dropped"] == 1  # bucket 1's stays: the first
     assert snap["resident_tree_buckets"] == tree_programs() == [1]
     # Every step and prefill program ran once after it was prepared (its first run's setup paid ahead).
     assert all(ran for _, ran in warmed) and {k for k, _ in warmed} >= set(engine.programs)
@@ -109,11 +109,11 @@ def test_tree_programs_of_idle_buckets_are_dropped_and_load_again_when_stepped(t
             else:
                 self.done.set()
 
-    prompts, max_tokens = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[0][:5]], [90, 30, 60, 45]
+    prompts, max_tokens = [PROMPTS[0], PROMPTS[1], PROMPTS[2]], [90, 30, 40]
     want = [eagle_jax.generate(target, [p], max_new_tokens=m).token_ids[0] for p, m in zip(prompts, max_tokens)]
     sinks = [Sink() for _ in prompts]
     try:
-        for p, m, sink in zip(prompts, max_tokens, sinks):  # grows to bucket 4, shrinks as they finish
+        for p, m, sink in zip(prompts, max_tokens, sinks):  # grows to bucket 2, shrinks as they finish
             sched.submit(Request(p, m, sink=sink))
         assert all(s.done.wait(120) for s in sinks)
     finally:
@@ -121,6 +121,6 @@ def test_tree_programs_of_idle_buckets_are_dropped_and_load_again_when_stepped(t
     assert [s.tokens for s in sinks] == want
     assert all(found for _, _, found in steps_run)  # no tree step ever missed its program
     buckets = {b for b, t, _ in steps_run}
-    assert buckets >= {2, 4} and prep.evictions > 2  # it moved across buckets, dropping programs as it went
+    assert buckets == {1, 2} and prep.evictions > 2  # it moved across buckets, dropping programs as it went
     assert len({b for b, t, _ in steps_run if t}) >= 2  # and speculated again where it returned to
     assert len(tree_programs()) <= 2  # the bucket stepped last, and at most one being loaded beside it
