@@ -102,7 +102,7 @@ def main(argv=None) -> int:
 
     import jax
 
-    from eagle_jax.serve.prepare import map_large_blocks
+    from eagle_jax.serve.memory import map_large_blocks
 
     map_large_blocks()  # large buffers go back to the OS when freed (see its doc): a lower peak
     cache_dir = config.compile_cache

@@ -29,7 +29,7 @@ never sample never holds the general tree programs.
 
 A request whose prefill is not compiled yet moves that prefill to the front of the queue and waits in
 the scheduler's queue, while running rows keep stepping: nothing compiles inside a served step. The
-same goes for a batch bucket's speculation: the bucket in use is prepared next.
+bucket in use has its trees prepared next, after the programs that admit requests (`_bump`).
 
 `choose_step` is the scheduler's per-step choice: a plain step until a tree is compiled at the bucket
 (for the kind of step: all-greedy, or with a sampling row),
@@ -53,6 +53,7 @@ import jax.numpy as jnp
 from eagle_jax import profiles
 from eagle_jax.harness import Choice
 from eagle_jax.rows import compile_take_rows, insert_rows
+from eagle_jax.serve.memory import release_free_memory
 from eagle_jax.serve.metrics import CompileCounter
 from eagle_jax.steps import empty_state
 from eagle_jax.tree import tree_name
@@ -322,8 +323,15 @@ class Preparation(OnDemand):
         self.on_progress()
 
     def _bump(self, keys) -> None:
+        """Moves these tasks to the front of the queue, in order; tree steps only to the front of the tree
+        steps: the programs that admit requests at all (plain steps, row moves, prefills) go first."""
+        tree = lambda k: k[0] == "step" and k[2] != "off"  # noqa: E731
         with self._lock:
-            for key in reversed([k for k in keys if k in self._tasks]):
+            front = [k for k in keys if k in self._tasks]
+            if any(map(tree, front)):
+                admit = [k for k in self._tasks if not tree(k) and k not in front]
+                front = [k for k in front if not tree(k)] + admit + [k for k in front if tree(k)]
+            for key in reversed(front):
                 self._tasks.move_to_end(key, last=False)
 
     # --- what the scheduler asks ----------------------------------------------------------------------
@@ -463,36 +471,3 @@ def hopeless(profile, bucket: int, tree) -> str | None:
                 return (f"at batch bucket {b} its step costs {ratio:.1f} plain steps, more than the "
                         f"{tree.depth + 1} tokens a row it can emit")
     return None
-
-
-def release_free_memory() -> None:
-    """Hands the C heap's free pages back to the OS. Compiling allocates and frees
-    gigabytes of XLA's working memory, which glibc keeps (a plain SmolLM2 server measured 10.9 GB resident
-    after start-up, 2.3 GB after this); trimming after each compile costs nothing per step (trimming on
-    every free halves the throughput). Does nothing where the C library has no malloc_trim."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def map_large_blocks(threshold: int = 1 << 20) -> bool:
-    """Makes the C heap give every allocation of `threshold` bytes or more its own memory mapping, returned to
-    the OS when it is freed (glibc's M_MMAP_THRESHOLD; its default moves up to 32 MB as large blocks are
-    freed, after which they are carved from the heap and stay resident). A server's KV caches (28 MB a layer
-    at batch bucket 32 for SmolLM2), step buffers and compile work come and go with its batch buckets: with
-    this, a restarted default server peaked at 6.86 GB instead of 8.00 GB through a 32-client load, at the
-    same speed. Left alone when MALLOC_MMAP_THRESHOLD_ is set, or without glibc. Returns whether it applied."""
-    import ctypes
-    import ctypes.util
-    import os
-
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return False
-    try:
-        return bool(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt(-3, int(threshold)))  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        return False

@@ -1,4 +1,5 @@
-"""The server's process-wide memory settings (`eagle_jax.serve.prepare.map_large_blocks`)."""
+"""The server's process-wide memory settings (`eagle_jax.serve.memory.map_large_blocks`) and its background
+preparation's resident tree programs and warm-up runs (`eagle_jax.serve.prepare`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 SCRIPT = textwrap.dedent('''
     import sys
     import numpy as np
-    from eagle_jax.serve.prepare import map_large_blocks
+    from eagle_jax.serve.memory import map_large_blocks
 
     def rss():
         return int(dict(l.split(":", 1) for l in open("/proc/self/status"))["VmRSS"].split()[0]) // 1024
