@@ -101,7 +101,7 @@ class Engine:
         else:
             cache, dcache = prev.cache, prev.draft_cache if self.head is not None else None
         prog = None if window is not None else self.programs.get(
-            ("prefill", b, tokens.shape[1], cache.max_len, self._draft_len(dcache), sampling))
+            self.prefill_key(b, tokens.shape[1], cache.max_len, self._draft_len(dcache), sampling))
         if prog is not None:
             follow = jnp.full((b,), -1, jnp.int32) if follow is None else jnp.asarray(follow, jnp.int32)
             return prog(self.state, self.head_state, jnp.asarray(tokens), jnp.asarray(prompt_lens), cache, dcache,
@@ -115,8 +115,8 @@ class Engine:
         """One step (see `steps.step`); the head rides along with plain steps so its draft can catch up.
         sampling=False compiles the all-greedy program (only for batches whose rows are all greedy)."""
         if not trace and window is None and self.programs:
-            prog = self.programs.get(("step", s.root.shape[0], s.cache.max_len, self._draft_len(s.draft_cache),
-                                      tree_name(tree), sampling))
+            prog = self.programs.get(self.step_key(s.root.shape[0], s.cache.max_len, self._draft_len(s.draft_cache),
+                                                   tree, sampling))
             if prog is not None:
                 return prog(self.state, self.head_state, s, params, jnp.asarray(active))
         return steps.step(self.graphdef, self.state, self.head_graphdef, self.head_state, s, params,
@@ -135,7 +135,7 @@ class Engine:
                 shape(lambda: self.head.init_cache(b, draft_len)) if self.head is not None else None,
                 _abstract(SamplingParams.make(b)), None, sampling, self.n_params, fresh)
 
-        self._keep(("prefill", b, tokens, cache_len, draft_len, sampling), build)
+        self._keep(self.prefill_key(b, tokens, cache_len, draft_len, sampling), build)
 
     def compile_step(self, batch: int, cache_len: int, draft_len: int, tree: TreeConfig | None,
                      sampling: bool = True) -> None:
@@ -149,7 +149,7 @@ class Engine:
                                       jax.ShapeDtypeStruct((batch,), jnp.bool_), tree, None, sampling, self.n_params,
                                       fresh)
 
-        self._keep(("step", batch, cache_len, draft_len, tree_name(tree), sampling), build)
+        self._keep(self.step_key(batch, cache_len, draft_len, tree, sampling), build)
 
     def step_key(self, batch: int, cache_len: int, draft_len: int, tree: TreeConfig | None, sampling: bool = True) -> tuple:
         """The key of a step program in `programs` (what `compile_step` keeps)."""
@@ -185,16 +185,15 @@ class Engine:
         jax.block_until_ready(out)
         return True
 
-    def stored_step(self, batch: int, cache_len: int, draft_len: int, tree: TreeConfig | None, sampling: bool) -> bool:
-        """Whether the program store holds this step's program (`compile_step` would load it, not compile it)."""
-        key = self.step_key(batch, cache_len, draft_len, tree, sampling)
-        return (self.store is not None and not quick(self.n_params * batch, steps.QUICK_COMPILE_WORK)
+    def stored(self, key: tuple) -> bool:
+        """Whether the program store holds program `key` (`step_key`, `prefill_key`): compiling it would load it."""
+        return (self.store is not None and not quick(self.n_params * key[1], steps.QUICK_COMPILE_WORK)
                 and self.store.path(" ".join(map(str, key))).exists())
 
-    def drop_step(self, batch: int, cache_len: int, draft_len: int, tree: TreeConfig | None, sampling: bool) -> bool:
-        """Forgets a step program kept through the store (`compile_step` loads it again, from the store):
-        its memory is freed once a step running it returns. Returns whether one was kept."""
-        return self.programs.pop(self.step_key(batch, cache_len, draft_len, tree, sampling), None) is not None
+    def drop(self, key: tuple) -> bool:
+        """Forgets program `key`, kept through the store (compiling it loads it again, from the store): its
+        memory is freed once a step running it returns. Returns whether one was kept."""
+        return self.programs.pop(key, None) is not None
 
     # --- programs kept ahead of time --------------------------------------------------------------
     def use_store(self, directory=None) -> ProgramStore:

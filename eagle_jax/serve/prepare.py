@@ -261,7 +261,7 @@ class Preparation(OnDemand):
                     self._evicted.add(k)
                     dropped.append(k)
         for k in dropped:
-            engine.drop_step(k[1], *self.s.caches(k[1]), self._tree(k), k[-1] == "sampled")
+            engine.drop(self._engine_key(k))
         if dropped:
             self.evictions += len(dropped)
             log.log(logging.DEBUG if dropped == [key] else logging.INFO,  # (a bucket prepared but not stepped)
@@ -284,7 +284,7 @@ class Preparation(OnDemand):
         with self._lock:
             if key[1] not in self._victims(key[1]):
                 return False
-        return self.s.engine.stored_step(key[1], *self.s.caches(key[1]), self._tree(key), key[-1] == "sampled")
+        return self.s.engine.stored(self._engine_key(key))
 
     def _tree(self, key):
         return next(t for t in self.s.trees if t.name == key[2])
