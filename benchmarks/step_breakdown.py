@@ -124,13 +124,13 @@ def parts(target, head, cache_len, context):
 
 
 def bandwidth(hidden: int, inter: int):
-    """Streaming GB/s (numpy copy of 512 MB; a one-row product over 400 MB of weights), and one
-    [M, hidden] @ [hidden, inter] matmul chain (20 weights) at M rows through XLA and numpy."""
-    a = np.ones(1 << 27, np.float32)
-    b = np.empty_like(a)
-    t = best_median({"copy": lambda: np.copyto(b, a)})["copy"]
-    copy_gbs = 2 * a.nbytes / t / 1e9
-    del a, b
+    """(copy GB/s (numpy, 512 MB), bytes of the 20 weights, seconds of a chain of 20 [M, hidden] @ [hidden,
+    inter] products at M rows through XLA and numpy (70 MB of weights: M=1 streams them))."""
+    src = np.ones(1 << 27, np.float32)
+    dst = np.empty_like(src)
+    t = best_median({"copy": functools.partial(np.copyto, dst, src)})["copy"]
+    copy_gbs = 2 * src.nbytes / t / 1e9
+    src = dst = None
     rng = np.random.default_rng(0)
     ws = [rng.standard_normal((hidden, inter), np.float32) for _ in range(20)]
     jws = [jnp.asarray(w) for w in ws]
