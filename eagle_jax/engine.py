@@ -22,6 +22,7 @@ from flax import nnx
 
 from eagle_jax import harness, profiles, steps
 from eagle_jax.compiling import param_count, quick
+from eagle_jax.paging import BlockPool, block_table, blocks_for
 from eagle_jax.programs import ProgramStore, default_store_dir, fingerprint
 from eagle_jax.rows import attention_window as window_bucket
 from eagle_jax.rows import batch_shapes, next_pow2, pad_prompts
@@ -100,7 +101,7 @@ class Engine:
             dcache = self.head.init_cache(b, draft_len) if self.head is not None else None
         else:
             cache, dcache = prev.cache, prev.draft_cache if self.head is not None else None
-        prog = None if window is not None else self.programs.get(
+        prog = None if window is not None or cache.paged else self.programs.get(
             self.prefill_key(b, tokens.shape[1], cache.max_len, self._draft_len(dcache), sampling))
         if prog is not None:
             follow = jnp.full((b,), -1, jnp.int32) if follow is None else jnp.asarray(follow, jnp.int32)
@@ -114,7 +115,7 @@ class Engine:
                  window: int | None = None, sampling: bool = True):
         """One step (see `steps.step`); the head rides along with plain steps so its draft can catch up.
         sampling=False compiles the all-greedy program (only for batches whose rows are all greedy)."""
-        if not trace and window is None and self.programs:
+        if not trace and window is None and self.programs and not s.cache.paged:
             prog = self.programs.get(self.step_key(s.root.shape[0], s.cache.max_len, self._draft_len(s.draft_cache),
                                                    tree, sampling))
             if prog is not None:
@@ -237,11 +238,23 @@ class Engine:
         greedy, sampled = self.acceptance[depth]
         return harness.Harness(trees, self._profiles[key], stats=greedy, sampled_stats=sampled)
 
+    def paged_state(self, needs: Sequence[int], batch: int, cache_len: int, draft_len: int,
+                    block_size: int) -> steps.DecodeState:
+        """An empty state on paged caches (`eagle_jax.kv_cache`) whose row i holds the blocks for needs[i]
+        slots (target and draft alike) and rows past len(needs) none; the pools hold just those blocks,
+        and the table addresses max(cache_len, draft_len) slots."""
+        width = blocks_for(max(cache_len, draft_len), block_size)
+        per_row = [min(blocks_for(n, block_size), width) for n in needs]
+        pool = BlockPool(max(sum(per_row), 1), block_size)
+        table = block_table([pool.take(n) for n in per_row] + [[]] * (batch - len(needs)), width)
+        return steps.empty_state(self.target, self.head, batch, cache_len, draft_len,
+                                 pages=(pool.num_blocks, block_size, table))
+
     def generate(self, prompt_ids: list[list[int]], *, max_new_tokens: int, params: SamplingParams,
                  tree: TreeConfig | str | None = None, stop: Sequence[str] = (), on_token=None,
                  ignore_eos: bool = False, max_steps: int | None = None, profile_dir=None,
                  attention_window: bool = False, cache_len: int | None = None,
-                 candidates: Sequence[TreeConfig] | None = None) -> GenerationResult:
+                 candidates: Sequence[TreeConfig] | None = None, block_size: int | None = None) -> GenerationResult:
         """tree: None (plain decoding), a TreeConfig (every step drafts that tree; needs a head) or "auto"
         (every step the harness picks a tree from `candidates` (default `harness.DEFAULT_CANDIDATES`) or a
         plain step, from the step costs measured on this device and the acceptance seen so far; fewer
@@ -252,7 +265,10 @@ class Engine:
         for the cache's full length from their first token.
         cache_len: the KV cache holds at least this many slots (rounded up to a power of two, >= 128), so
         calls with different prompts compile and profile the same shapes (benchmarks pass one value for
-        the whole run)."""
+        the whole run).
+        block_size: a paged KV cache (`eagle_jax.paging`) with blocks of this many slots, each row holding
+        only the blocks its prompt, max_new_tokens and the tree's slack need; None: one contiguous cache
+        of the bucket's length per row."""
         if isinstance(tree, str) and tree != "auto":
             raise ValueError(f"tree must be a TreeConfig, None or 'auto', got {tree!r}")
         if tree is not None and self.head is None:
@@ -287,8 +303,13 @@ class Engine:
 
         start = time.perf_counter()
         lens = np.asarray(prompt_lens).copy()  # committed cache length per row, as of the steps read so far
+        prev = None
+        if block_size is not None:
+            extra = draft_len_extra if self.head is not None else 0
+            prev = self.paged_state([len(p) + max_new_tokens + 1 + slack + extra for p in prompt_ids], b, s_len,
+                                    s_len + draft_len_extra if self.head is not None else 0, block_size)
         st = self.run_prefill(tokens, prompt_lens, s_len, s_len + draft_len_extra, params,
-                              window_bucket(t, s_len) if attention_window else None, sampling)
+                              window_bucket(t, s_len) if attention_window else None, sampling, prev=prev)
         root = np.asarray(st.root)
         first_token_s = time.perf_counter() - start
         for r in range(n):
@@ -397,6 +418,7 @@ def generate(
     attention_window: bool = False,
     cache_len: int | None = None,
     candidates=None,
+    block_size: int | None = None,
 ) -> GenerationResult:
     """Generates continuations for a batch of prompts.
 
@@ -415,6 +437,8 @@ def generate(
     attention_window=True lets each step's attention read only the part of the KV cache the rows fill
     (a power-of-two window; one compile per window): faster for long generations, the same tokens up
     to float rounding. cache_len: a minimum KV cache length (see `Engine.generate`).
+    block_size: a paged KV cache with blocks of this many slots, each row holding only what it needs
+    (see `Engine.generate`); the same tokens as the contiguous cache.
     """
     if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
         prompts = [prompts]
@@ -435,4 +459,4 @@ def generate(
     return engine_for(target, draft).generate(ids, max_new_tokens=max_new_tokens, params=params, tree=tree,
                                               stop=stop, on_token=on_token, ignore_eos=ignore_eos,
                                               max_steps=max_steps, attention_window=attention_window,
-                                              cache_len=cache_len, candidates=candidates)
+                                              cache_len=cache_len, candidates=candidates, block_size=block_size)

@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from eagle_jax.config import rope_inv_freq
-from eagle_jax.kv_cache import write_rows
+from eagle_jax.kv_cache import read_rows, write_rows
 from pallas_kernels import tree_attention
 
 
@@ -75,17 +75,19 @@ def project_qkv(h, wq, wk, wv, *, num_heads: int, num_kv_heads: int, head_dim: i
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
-def cached_attention(q, k, v, k_cache, v_cache, *, starts, lengths, tree_mask, window: int | None = None):
+def cached_attention(q, k, v, k_cache, v_cache, *, starts, lengths, tree_mask, window: int | None = None,
+                     table=None):
     """Writes the new keys / values at each row's slots [starts, starts + T) and attends over the
     committed prefix [0, lengths) plus the scratch keys [lengths, lengths + M) that tree_mask [B,T,M]
     selects. Returns (attention output [B,T,Hq,D], k_cache, v_cache).
 
-    window (static): attention reads only cache slots [0, window), so its cost follows the longest
-    row instead of the cache's length; the caller guarantees lengths + M <= window for every row whose
-    output it keeps."""
-    k_cache = write_rows(k_cache, k, starts)
-    v_cache = write_rows(v_cache, v, starts)
-    k_seen, v_seen = (k_cache, v_cache) if window is None else (k_cache[:, :window], v_cache[:, :window])
+    table: the block table of a paged cache (k_cache / v_cache are then block pools; see
+    `eagle_jax.kv_cache`). window (static): attention reads only slots [0, window), so its cost follows
+    the longest row instead of the cache's length; the caller guarantees lengths + M <= window for
+    every row whose output it keeps."""
+    k_cache = write_rows(k_cache, k, starts, table)
+    v_cache = write_rows(v_cache, v, starts, table)
+    k_seen, v_seen = read_rows(k_cache, table, window), read_rows(v_cache, table, window)
     return tree_attention(q, k_seen, v_seen, lengths, tree_mask), k_cache, v_cache
 
 

@@ -54,8 +54,10 @@ class Block(nnx.Module):
         self.w_gate, self.w_up = w(H, F), w(H, F)
         self.w_down = w(F, H)
 
-    def __call__(self, x, k_cache, v_cache, *, cfg: ModelConfig, positions, lengths, tree_mask, window=None):
-        """x [B,T,H]; this layer's caches [B,S,K,D]. Returns (x, k_cache, v_cache)."""
+    def __call__(self, x, k_cache, v_cache, *, cfg: ModelConfig, positions, lengths, tree_mask, window=None,
+                 table=None):
+        """x [B,T,H]; this layer's caches [B,S,K,D] (block pools with a paged cache's table).
+        Returns (x, k_cache, v_cache)."""
         eps = cfg.rms_norm_eps
         q, k, v = project_qkv(
             rms_norm(x, self.attn_norm[...], eps), self.wq[...], self.wk[...], self.wv[...],
@@ -64,7 +66,7 @@ class Block(nnx.Module):
             biases=(self.bq[...], self.bk[...], self.bv[...]) if cfg.qkv_bias else None,
             qk_norms=(self.q_norm[...], self.k_norm[...]) if cfg.qk_norm else None)
         attn, k_cache, v_cache = cached_attention(q, k, v, k_cache, v_cache, starts=lengths, lengths=lengths,
-                                                  tree_mask=tree_mask, window=window)
+                                                  tree_mask=tree_mask, window=window, table=table)
         x = layer_tail(x, attn, self.wo[...], self.mlp_norm[...], self.w_gate[...], self.w_up[...],
                        self.w_down[...], eps, bo=self.bo[...] if cfg.o_bias else None)
         return x, k_cache, v_cache
@@ -124,7 +126,7 @@ class Transformer(nnx.Module):
         ks, vs = [], []
         for i, block in enumerate(self.layers):
             x, k_i, v_i = block(x, cache.k[i], cache.v[i], cfg=cfg, positions=positions,
-                                lengths=cache.lengths, tree_mask=tree_mask, window=window)
+                                lengths=cache.lengths, tree_mask=tree_mask, window=window, table=cache.table)
             ks.append(k_i)
             vs.append(v_i)
             if i in capture_layers:

@@ -71,6 +71,7 @@ def insert_rows(s: DecodeState, new: DecodeState, rows):
     (padding rows of the newcomers' prefill batch). `new`'s caches may be longer than `s`'s (a server's
     larger batch buckets hold shorter rows): their slots past `s`'s length must be empty, and are cut."""
     TRACE_COUNTS["insert_rows"] += 1
+    _contiguous(s, "insert_rows")
 
     def put(a, x):
         if a.ndim >= 2 and x.shape[1] > a.shape[1]:  # a cache array (the only ones whose lengths differ)
@@ -78,6 +79,12 @@ def insert_rows(s: DecodeState, new: DecodeState, rows):
         return a.at[rows].set(x.astype(a.dtype), mode="drop")
 
     return jax.tree_util.tree_map(put, s, new)
+
+
+def _contiguous(s: DecodeState, what: str) -> None:
+    if s.cache.paged:
+        raise ValueError(f"{what} moves the rows of contiguous caches; a paged cache's rows are their block "
+                         "tables (eagle_jax.paging)")
 
 
 def _resize_axis1(a, size: int | None):
@@ -145,6 +152,7 @@ def take_rows(s: DecodeState, rows, consume: bool = False, cache_len: int | None
     A state on one CPU device is moved by numpy, in place of the compiled gathers (`_take`): a server
     would otherwise hold a small program for every array shape and every pair of batch buckets (about
     240 for SmolLM2's default buckets, 1 MB or more each). host=False forces the compiled gathers."""
+    _contiguous(s, "take_rows")
     sizes = _cache_sizes(s, cache_len, draft_len)
     leaves, treedef = jax.tree_util.tree_flatten(s)
     host = _on_host(leaves) if host is None else host

@@ -72,22 +72,33 @@ class DecodeState:
         return dataclasses.replace(self, **kw)
 
 
-def draft_parts(batch: int, head=None, draft_len: int = 0) -> dict:
-    """The draft fields of a DecodeState that holds nothing yet; zero-width without a head."""
+def draft_parts(batch: int, head=None, draft_len: int = 0, pages=None) -> dict:
+    """The draft fields of a DecodeState that holds nothing yet; zero-width without a head. pages:
+    (num_blocks, block_size, table) of a paged cache (see `empty_state`)."""
     if head is None:
         return dict(draft_cache=KVCache((), (), jnp.zeros((batch,), jnp.int32)),
                     root_hidden=jnp.zeros((batch, 1), jnp.float32), lag_feats=jnp.zeros((batch, 0, 1), jnp.float32),
                     lag_tokens=jnp.zeros((batch, 0), jnp.int32), lag_n=jnp.zeros((batch,), jnp.int32))
-    return dict(draft_cache=head.init_cache(batch, draft_len),
-                root_hidden=jnp.zeros((batch, head.cfg.hidden_size), head.dtype),
-                lag_feats=jnp.zeros((batch, CATCHUP, head.cfg.feature_size), head.dtype),
+    c = head.cfg
+    dcache = (head.init_cache(batch, draft_len) if pages is None else
+              KVCache.create_paged(1, *pages, c.num_kv_heads, c.head_dim, head.dtype))
+    return dict(draft_cache=dcache,
+                root_hidden=jnp.zeros((batch, c.hidden_size), head.dtype),
+                lag_feats=jnp.zeros((batch, CATCHUP, c.feature_size), head.dtype),
                 lag_tokens=jnp.zeros((batch, CATCHUP), jnp.int32), lag_n=jnp.zeros((batch,), jnp.int32))
 
 
-def empty_state(target, head, batch: int, cache_len: int, draft_len: int = 0) -> DecodeState:
-    """A DecodeState of `batch` rows that hold nothing (lengths 0)."""
-    return DecodeState(target.model.init_cache(batch, cache_len), root=jnp.zeros((batch,), jnp.int32),
-                       **draft_parts(batch, head, draft_len))
+def empty_state(target, head, batch: int, cache_len: int, draft_len: int = 0, pages=None) -> DecodeState:
+    """A DecodeState of `batch` rows that hold nothing (lengths 0). pages: (num_blocks, block_size,
+    table [batch, NB]) for paged caches: the target's and the draft's pools have num_blocks blocks each
+    and the same table (a row's slot s sits in the same block of both; two arrays, as both caches are
+    donated), which must address cache_len and draft_len slots (`eagle_jax.paging`)."""
+    if pages is None:
+        cache = target.model.init_cache(batch, cache_len)
+    else:
+        cfg = target.cfg
+        cache = KVCache.create_paged(cfg.num_layers, *pages, cfg.num_kv_heads, cfg.head_dim, target.model.dtype)
+    return DecodeState(cache, root=jnp.zeros((batch,), jnp.int32), **draft_parts(batch, head, draft_len, pages))
 
 
 # --- cache sizes ------------------------------------------------------------------------------------
