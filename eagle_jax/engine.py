@@ -101,8 +101,8 @@ class Engine:
             dcache = self.head.init_cache(b, draft_len) if self.head is not None else None
         else:
             cache, dcache = prev.cache, prev.draft_cache if self.head is not None else None
-        prog = None if window is not None or cache.paged else self.programs.get(
-            self.prefill_key(b, tokens.shape[1], cache.max_len, self._draft_len(dcache), sampling))
+        prog = None if window is not None else self.programs.get(
+            self.prefill_key(b, tokens.shape[1], cache.max_len, self._draft_len(dcache), sampling, pages_of(cache)))
         if prog is not None:
             follow = jnp.full((b,), -1, jnp.int32) if follow is None else jnp.asarray(follow, jnp.int32)
             return prog(self.state, self.head_state, jnp.asarray(tokens), jnp.asarray(prompt_lens), cache, dcache,
@@ -115,72 +115,95 @@ class Engine:
                  window: int | None = None, sampling: bool = True):
         """One step (see `steps.step`); the head rides along with plain steps so its draft can catch up.
         sampling=False compiles the all-greedy program (only for batches whose rows are all greedy)."""
-        if not trace and window is None and self.programs and not s.cache.paged:
+        if not trace and window is None and self.programs:
             prog = self.programs.get(self.step_key(s.root.shape[0], s.cache.max_len, self._draft_len(s.draft_cache),
-                                                   tree, sampling))
+                                                   tree, sampling, pages_of(s.cache)))
             if prog is not None:
                 return prog(self.state, self.head_state, s, params, jnp.asarray(active))
         return steps.step(self.graphdef, self.state, self.head_graphdef, self.head_state, s, params,
                           jnp.asarray(active), tree, trace, window, sampling, self.n_params)
 
-    def compile_prefill(self, batch: int, tokens: int, cache_len: int, draft_len: int, sampling: bool = True) -> None:
-        """Compiles the prefill of `batch` prompts padded to `tokens` without running it (`steps.compile_prefill`)."""
-        b, shape = batch, jax.eval_shape
+    def empty_state(self, batch: int, cache_len: int, draft_len: int, pages: tuple[int, int] | None = None):
+        """A state of `batch` rows holding nothing: contiguous caches of these lengths, or with pages =
+        (num_blocks, block_size) paged ones (pools of num_blocks blocks; rows hold no block yet, and the
+        table addresses max(cache_len, draft_len) slots)."""
         draft_len = draft_len if self.head is not None else 0
+        if pages is None:
+            return steps.empty_state(self.target, self.head, batch, cache_len, draft_len)
+        table = np.full((batch, blocks_for(max(cache_len, draft_len), pages[1])), -1, np.int32)
+        return steps.empty_state(self.target, self.head, batch, cache_len, draft_len, pages=(*pages, table))
+
+    def compile_prefill(self, batch: int, tokens: int, cache_len: int, draft_len: int, sampling: bool = True,
+                        pages: tuple[int, int] | None = None) -> None:
+        """Compiles the prefill of `batch` prompts padded to `tokens` without running it (`steps.compile_prefill`)."""
+        b = batch
+        s = jax.eval_shape(lambda: self.empty_state(b, cache_len, draft_len, pages))
 
         def build(fresh: bool):
             return steps.compile_prefill(
                 self.graphdef, self.state, self.head_graphdef, self.head_state,
                 jax.ShapeDtypeStruct((b, tokens), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
-                shape(lambda: self.target.model.init_cache(b, cache_len)),
-                shape(lambda: self.head.init_cache(b, draft_len)) if self.head is not None else None,
+                s.cache, s.draft_cache if self.head is not None else None,
                 _abstract(SamplingParams.make(b)), None, sampling, self.n_params, fresh)
 
-        self._keep(self.prefill_key(b, tokens, cache_len, draft_len, sampling), build)
+        self._keep(self.prefill_key(b, tokens, cache_len, draft_len, sampling, pages), build)
 
     def compile_step(self, batch: int, cache_len: int, draft_len: int, tree: TreeConfig | None,
-                     sampling: bool = True) -> None:
+                     sampling: bool = True, pages: tuple[int, int] | None = None) -> None:
         """Compiles one step of `tree` (None: plain) at these shapes without running it (`steps.compile_step`)."""
-        draft_len = draft_len if self.head is not None else 0
-
         def build(fresh: bool):
-            s = jax.eval_shape(lambda: steps.empty_state(self.target, self.head, batch, cache_len, draft_len))
+            s = jax.eval_shape(lambda: self.empty_state(batch, cache_len, draft_len, pages))
             return steps.compile_step(self.graphdef, self.state, self.head_graphdef, self.head_state, s,
                                       _abstract(SamplingParams.make(batch)),
                                       jax.ShapeDtypeStruct((batch,), jnp.bool_), tree, None, sampling, self.n_params,
                                       fresh)
 
-        self._keep(self.step_key(batch, cache_len, draft_len, tree, sampling), build)
+        self._keep(self.step_key(batch, cache_len, draft_len, tree, sampling, pages), build)
 
-    def step_key(self, batch: int, cache_len: int, draft_len: int, tree: TreeConfig | None, sampling: bool = True) -> tuple:
+    def _lengths(self, cache_len: int, draft_len: int, pages) -> tuple[int, int]:
+        """(cache, draft) lengths as a state of these shapes reports them (a paged state's table width)."""
+        draft_len = draft_len if self.head is not None else 0
+        if pages is None:
+            return cache_len, draft_len
+        width = blocks_for(max(cache_len, draft_len), pages[1]) * pages[1]
+        return width, width if self.head is not None else 0
+
+    def step_key(self, batch: int, cache_len: int, draft_len: int, tree: TreeConfig | None, sampling: bool = True,
+                 pages: tuple[int, int] | None = None) -> tuple:
         """The key of a step program in `programs` (what `compile_step` keeps)."""
-        return ("step", batch, cache_len, draft_len if self.head is not None else 0, tree_name(tree), sampling)
+        key = ("step", batch, *self._lengths(cache_len, draft_len, pages), tree_name(tree), sampling)
+        return key if pages is None else key + ("paged", *pages)
 
-    def prefill_key(self, batch: int, tokens: int, cache_len: int, draft_len: int, sampling: bool = True) -> tuple:
+    def prefill_key(self, batch: int, tokens: int, cache_len: int, draft_len: int, sampling: bool = True,
+                    pages: tuple[int, int] | None = None) -> tuple:
         """The key of a prefill program in `programs` (what `compile_prefill` keeps)."""
-        return ("prefill", batch, tokens, cache_len, draft_len if self.head is not None else 0, sampling)
+        key = ("prefill", batch, tokens, *self._lengths(cache_len, draft_len, pages), sampling)
+        return key if pages is None else key + ("paged", *pages)
 
     def warm(self, key: tuple, limit: int) -> bool:
         """Runs kept program `key` (as `programs`' keys: ("step", batch, cache_len, draft_len, tree name,
-        sampling) or ("prefill", batch, tokens, cache_len, draft_len, sampling)) once on empty inputs, when
-        those take at most `limit` bytes. XLA:CPU builds part of a program on its first run (the pipelines
-        of its library dot fusions: 0.2-0.4 s for a SmolLM2 step, against 0.05-0.13 s a run after); warmed
-        ahead, a served step never pays it. Rows are inactive and the outputs dropped. Returns whether it ran."""
+        sampling) or ("prefill", batch, tokens, cache_len, draft_len, sampling), then ("paged", blocks,
+        block size) for paged caches) once on empty inputs, when those take at most `limit` bytes. XLA:CPU
+        builds part of a program on its first run (the pipelines of its library dot fusions: 0.2-0.4 s for
+        a SmolLM2 step, against 0.05-0.13 s a run after); warmed ahead, a served step never pays it. Rows
+        are inactive and the outputs dropped. Returns whether it ran."""
         prog = self.programs.get(key)
         if prog is None:
             return False
-        b, sampling = key[1], key[-1]
-        cache_len, draft_len = (key[2], key[3]) if key[0] == "step" else (key[3], key[4])
-        abstract = jax.eval_shape(lambda: steps.empty_state(self.target, self.head, b, cache_len, draft_len))
+        pages = tuple(key[-2:]) if "paged" in key else None
+        base = key[:-3] if pages else key
+        b, sampling = base[1], base[-1]
+        cache_len, draft_len = (base[2], base[3]) if base[0] == "step" else (base[3], base[4])
+        abstract = jax.eval_shape(lambda: self.empty_state(b, cache_len, draft_len, pages))
         size = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(abstract))
         if size > limit:
             return False
-        s = steps.empty_state(self.target, self.head, b, cache_len, draft_len)
+        s = self.empty_state(b, cache_len, draft_len, pages)
         params = SamplingParams.make(b, temperature=1.0 if sampling else 0.0)
-        if key[0] == "step":
+        if base[0] == "step":
             out = prog(self.state, self.head_state, s, params, jnp.zeros((b,), bool))
         else:
-            tokens = jnp.zeros((b, key[2]), jnp.int32)
+            tokens = jnp.zeros((b, base[2]), jnp.int32)
             out = prog(self.state, self.head_state, tokens, jnp.ones((b,), jnp.int32), s.cache,
                        s.draft_cache if self.head is not None else None, params, jnp.full((b,), -1, jnp.int32))
         jax.block_until_ready(out)
@@ -388,6 +411,11 @@ class Engine:
             stats["tree"] = dataclasses.asdict(tree)
         return GenerationResult(texts=[row.text for row in rows], token_ids=[row.ids for row in rows],
                                 finish_reasons=[row.reason or "length" for row in rows], stats=stats)
+
+
+def pages_of(cache) -> tuple[int, int] | None:
+    """(num_blocks, block_size) of a paged cache's pools; None for a contiguous cache."""
+    return tuple(cache.k[0].shape[:2]) if cache.paged else None
 
 
 def engine_for(target, head=None) -> Engine:

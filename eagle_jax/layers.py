@@ -16,8 +16,7 @@ from flax import nnx
 
 from eagle_jax.config import rope_inv_freq
 from eagle_jax.kv_cache import read_rows, write_rows
-from pallas_kernels import tree_attention
-from pallas_kernels.chunked import paged_tree_attention_chunked
+from pallas_kernels import paged_tree_attention, tree_attention
 
 
 def rms_norm(x, weight, eps):
@@ -83,16 +82,15 @@ def cached_attention(q, k, v, k_cache, v_cache, *, starts, lengths, tree_mask, w
     selects. Returns (attention output [B,T,Hq,D], k_cache, v_cache).
 
     table: the block table of a paged cache (k_cache / v_cache are then block pools; see
-    `eagle_jax.kv_cache`): attention walks the rows' blocks only as far as the longest row reaches.
+    `eagle_jax.kv_cache`): `pallas_kernels.paged_tree_attention` reads through it (on CPU it walks the
+    rows' blocks only as far as the longest row reaches).
     window (static): attention reads only slots [0, window), so its cost follows the longest row
     instead of the cache's length; the caller guarantees lengths + M <= window for every row whose
     output it keeps."""
     k_cache = write_rows(k_cache, k, starts, table)
     v_cache = write_rows(v_cache, v, starts, table)
     if table is not None:
-        if window is not None:
-            table = table[:, : -(-window // k_cache.shape[1])]
-        return paged_tree_attention_chunked(q, k_cache, v_cache, table, lengths, tree_mask), k_cache, v_cache
+        return paged_tree_attention(q, k_cache, v_cache, table, lengths, tree_mask, window=window), k_cache, v_cache
     k_seen, v_seen = read_rows(k_cache, None, window), read_rows(v_cache, None, window)
     return tree_attention(q, k_seen, v_seen, lengths, tree_mask), k_cache, v_cache
 

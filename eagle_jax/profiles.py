@@ -129,7 +129,7 @@ def step_code_hash() -> str:
 
 
 def profile_key(target, head, buckets: Sequence[int], candidates: Sequence[str], cache_len: int | Sequence[int],
-                sampling: bool = True) -> str:
+                sampling: bool = True, pages: tuple[int, int] | None = None) -> str:
     """A readable, file-safe key: model name + a hash of device, model and head configs, buckets,
     candidates, cache length, the step's code (head weights do not change step costs; its
     architecture does) and which programs were measured (`sampling`), so a profile is measured again
@@ -144,6 +144,8 @@ def profile_key(target, head, buckets: Sequence[int], candidates: Sequence[str],
     }
     if not sampling:
         ident["programs"] = "greedy"  # the all-greedy steps (the general ones keep their existing keys)
+    if pages is not None:
+        ident["pages"] = [int(p) for p in pages]  # paged caches: (block size, pool slots)
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", target.name)[:40]
     return f"{slug}-{digest}"

@@ -71,7 +71,8 @@ def insert_rows(s: DecodeState, new: DecodeState, rows):
     (padding rows of the newcomers' prefill batch). `new`'s caches may be longer than `s`'s (a server's
     larger batch buckets hold shorter rows): their slots past `s`'s length must be empty, and are cut."""
     TRACE_COUNTS["insert_rows"] += 1
-    _contiguous(s, "insert_rows")
+    if s.cache.paged and s.cache.k:
+        raise ValueError("insert_rows moves the rows of contiguous caches; use insert_paged_rows for paged ones")
 
     def put(a, x):
         if a.ndim >= 2 and x.shape[1] > a.shape[1]:  # a cache array (the only ones whose lengths differ)
@@ -81,10 +82,37 @@ def insert_rows(s: DecodeState, new: DecodeState, rows):
     return jax.tree_util.tree_map(put, s, new)
 
 
-def _contiguous(s: DecodeState, what: str) -> None:
-    if s.cache.paged:
-        raise ValueError(f"{what} moves the rows of contiguous caches; a paged cache's rows are their block "
-                         "tables (eagle_jax.paging)")
+def pools(s: DecodeState) -> tuple:
+    """A paged state's block pools (target k, v, draft k, v): shared by all rows, never moved with them."""
+    return s.cache.k, s.cache.v, s.draft_cache.k, s.draft_cache.v
+
+
+def without_pools(s: DecodeState) -> DecodeState:
+    """A paged state's per-row part (tables, lengths, roots, draft inputs): what row surgery moves."""
+    return s.replace(cache=s.cache.replace(k=(), v=()), draft_cache=s.draft_cache.replace(k=(), v=()))
+
+
+def with_pools(s: DecodeState, parts: tuple) -> DecodeState:
+    k, v, dk, dv = parts
+    return s.replace(cache=s.cache.replace(k=k, v=v), draft_cache=s.draft_cache.replace(k=dk, v=dv))
+
+
+def insert_paged_rows(s: DecodeState, new: DecodeState, rows) -> DecodeState:
+    """`insert_rows` for paged caches: new's rows (block tables included) go into s's rows; the pools
+    are s's (new was prefilled into them: the caller hands the prefill's output pools back to s)."""
+    return with_pools(insert_rows(without_pools(s), without_pools(new), rows), pools(s))
+
+
+def clear_paged_rows(s: DecodeState, rows) -> DecodeState:
+    """Rows `rows` of a paged state hold nothing again: no blocks (their table rows -1) and length 0, so
+    a step neither writes into blocks handed to another request nor reads past the rows that remain."""
+    rows = jnp.asarray(rows, jnp.int32)
+
+    def clear(c):
+        return c.replace(table=c.table.at[rows].set(-1), lengths=c.lengths.at[rows].set(0))
+
+    return s.replace(cache=clear(s.cache), draft_cache=clear(s.draft_cache) if s.draft_cache.paged else s.draft_cache,
+                     lag_n=s.lag_n.at[rows].set(0))
 
 
 def _resize_axis1(a, size: int | None):
@@ -152,8 +180,14 @@ def take_rows(s: DecodeState, rows, consume: bool = False, cache_len: int | None
     A state on one CPU device is moved by numpy, in place of the compiled gathers (`_take`): a server
     would otherwise hold a small program for every array shape and every pair of batch buckets (about
     240 for SmolLM2's default buckets, 1 MB or more each). host=False forces the compiled gathers."""
-    _contiguous(s, "take_rows")
-    sizes = _cache_sizes(s, cache_len, draft_len)
+    if s.cache.paged:  # the rows' part only: the pools stay as they are, and empty rows hold no block
+        out = _take_all(without_pools(s), rows, consume, {}, host)
+        empty = np.flatnonzero(np.asarray(rows) < 0)
+        return with_pools(clear_paged_rows(out, empty) if empty.size else out, pools(s))
+    return _take_all(s, rows, consume, _cache_sizes(s, cache_len, draft_len), host)
+
+
+def _take_all(s: DecodeState, rows, consume: bool, sizes: dict, host: bool | None) -> DecodeState:
     leaves, treedef = jax.tree_util.tree_flatten(s)
     host = _on_host(leaves) if host is None else host
     rows = np.asarray(rows, np.int32) if host else jnp.asarray(rows, jnp.int32)

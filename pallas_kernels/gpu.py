@@ -15,6 +15,11 @@ batch-1 decoding of a long cache: each split writes its unnormalised accumulator
 max and sum, and a small jnp epilogue merges the splits. Triton has no scalar prefetch or scratch
 refs: lengths are an ordinary input read with one scalar load, and the running max / sum /
 accumulator are loop carries (registers).
+
+Paged caches (`paged_tree_attention_gpu`): the program sees the whole pool of its KV head, [P * block,
+D], and its row's block table; a prefix tile loads the table entries of its slots and gathers its rows
+(masked past the length and for -1 entries, so no load goes through a -1 entry). Tiles need not line
+up with pool blocks: any pool block size works with any block_kv.
 """
 
 from __future__ import annotations
@@ -36,11 +41,15 @@ from pallas_kernels.block_sizes import BlockSizes
 _MASKED = -1e30  # finite, so exp(m_prev - m_next) never sees inf - inf
 
 
-def _attention_kernel(lengths_ref, q_ref, k_ref, v_ref, kt_ref, vt_ref, mask_ref, acc_ref, m_ref, l_ref, *,
-                      block_kv: int, blocks_per_split: int, block_tree: int, tree_steps: int, scale: float):
-    # lengths_ref [B]; q_ref [bq, D]; k_ref / v_ref [S, D] (this row's cache, this head);
+def _attention_kernel(lengths_ref, *refs, pool_block: int | None, block_kv: int, blocks_per_split: int,
+                      block_tree: int, tree_steps: int, scale: float):
+    # lengths_ref [B]; when paged (pool_block set) table_ref [NB'] (this row's block table); q_ref [bq, D];
+    # k_ref / v_ref this head's cache: [S, D] (this row) or [P * block, D] (the whole pool);
     # kt_ref / vt_ref [M', D] (tree keys); mask_ref [bq, M'] int32;
     # outputs (this split): acc_ref [bq, D], m_ref / l_ref [bq], all f32.
+    if pool_block is not None:
+        table_ref, refs = refs[0], refs[1:]
+    q_ref, k_ref, v_ref, kt_ref, vt_ref, mask_ref, acc_ref, m_ref, l_ref = refs
     length = lengths_ref[pl.program_id(0)]
     split, num_splits = pl.program_id(3), pl.num_programs(3)
     q = q_ref[...]
@@ -60,11 +69,21 @@ def _attention_kernel(lengths_ref, q_ref, k_ref, v_ref, kt_ref, vt_ref, mask_ref
 
     def prefix_block(j, carry):
         start = pl.multiple_of(j * block_kv, block_kv)
-        live = start + jnp.arange(block_kv, dtype=jnp.int32) < length  # [bkv]
+        slot = start + jnp.arange(block_kv, dtype=jnp.int32)  # [bkv]
+        visible = slot < length
+        if pool_block is None:
+            live, index = visible, (pl.ds(start, block_kv), slice(None))
+        else:  # gather the tile's rows through the table; slots of -1 entries read as zeros
+            entry = jnp.minimum(jax.lax.div(slot, pool_block), table_ref.shape[0] - 1)  # slot >= 0: floor
+            block = plgpu.load(table_ref.at[entry], mask=visible, other=-1)  # [bkv]
+            live = visible & (block >= 0)
+            row = jnp.maximum(block, 0) * pool_block + jax.lax.rem(slot, pool_block)  # [bkv] pool rows
+            # Both indices as arrays (a pointer gather; the interpreter takes no array / slice mix).
+            index = (row[:, None], jnp.arange(head_dim, dtype=jnp.int32)[None, :])
         load_mask = jnp.broadcast_to(live[:, None], (block_kv, head_dim))
-        k = plgpu.load(k_ref.at[pl.ds(start, block_kv), :], mask=load_mask, other=0.0)  # [bkv, D]
-        v = plgpu.load(v_ref.at[pl.ds(start, block_kv), :], mask=load_mask, other=0.0)
-        return accumulate(carry, k, v, jnp.broadcast_to(live[None, :], (block_q, block_kv)))
+        k = plgpu.load(k_ref.at[index], mask=load_mask, other=0.0)  # [bkv, D]
+        v = plgpu.load(v_ref.at[index], mask=load_mask, other=0.0)
+        return accumulate(carry, k, v, jnp.broadcast_to(visible[None, :], (block_q, block_kv)))
 
     def tree_block(t, carry):
         start = pl.multiple_of(t * block_tree, block_tree)
@@ -100,51 +119,56 @@ def merge_splits(acc, m, l, dtype):
     return layout.finish(jnp.sum(weight[..., None] * acc, axis=2), total, dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
-def tree_attention_gpu(q, k_cache, v_cache, lengths, tree_mask, *, block_sizes: BlockSizes | None = None,
-                       interpret=False):
-    """Tree attention, GPU (Triton) kernel. Same contract as `tree_attention_reference`.
-
-    interpret: False (compile with Triton) or True (Pallas' generic interpreter, any backend).
-    """
-    b, n, m, s, k, g, d = layout.check_inputs(q, k_cache, v_cache, lengths, tree_mask)
-    if plgpu is None:
-        raise NotImplementedError("this JAX has no Pallas Triton backend (jax.experimental.pallas.triton)")
-    if not interpret and d != layout.next_power_of_two(d):
-        raise ValueError(f"the Triton kernel needs a power-of-two head dim, got {d}")
-    bs = block_sizes or BlockSizes.gpu_default()
+def _tiles(n: int, g: int, m: int, prefix_slots: int, programs: int, bs: BlockSizes):
+    """(block_q, rows padded, KV splits, blocks per split, tree tile, tree steps, M padded)."""
     rows = n * g
     block_q = min(bs.block_q, max(16, layout.next_power_of_two(rows)))
     rows_padded = layout.round_up(rows, block_q)
-    row_blocks = rows_padded // block_q
-    prefix_blocks = layout.cdiv(s, bs.block_kv)
-    splits = min(bs.kv_splits or _auto_splits(b * k * row_blocks, prefix_blocks), prefix_blocks)
+    prefix_blocks = layout.cdiv(prefix_slots, bs.block_kv)
+    splits = min(bs.kv_splits or _auto_splits(programs * (rows_padded // block_q), prefix_blocks), prefix_blocks)
     blocks_per_split = layout.cdiv(prefix_blocks, splits)
     splits = layout.cdiv(prefix_blocks, blocks_per_split)  # no split left without blocks
     block_tree = min(bs.block_kv, max(16, layout.next_power_of_two(m)))
     tree_steps = layout.cdiv(m, block_tree)
-    m_padded = tree_steps * block_tree
+    return block_q, rows_padded, splits, blocks_per_split, block_tree, tree_steps, tree_steps * block_tree
 
-    lengths = layout.as_lengths(lengths)
-    q_rows = layout.fold_queries(q, k, rows_padded)  # [B, K, R', D]
-    k_tree = layout.tree_keys(k_cache, lengths, m, m_padded)  # [B, K, M', D]
-    v_tree = layout.tree_keys(v_cache, lengths, m, m_padded)
-    mask = layout.row_mask(tree_mask, lengths, s, g, rows_padded, m_padded)  # [B, R', M']
 
-    kernel = functools.partial(_attention_kernel, block_kv=bs.block_kv, blocks_per_split=blocks_per_split,
-                               block_tree=block_tree, tree_steps=tree_steps, scale=float(d) ** -0.5)
+def _check(d: int, interpret, block_sizes):
+    if plgpu is None:
+        raise NotImplementedError("this JAX has no Pallas Triton backend (jax.experimental.pallas.triton)")
+    if not interpret and d != layout.next_power_of_two(d):
+        raise ValueError(f"the Triton kernel needs a power-of-two head dim, got {d}")
+    return block_sizes or BlockSizes.gpu_default()
+
+
+def _attention_call(lengths, table, q_rows, k_cache, v_cache, k_tree, v_tree, mask, *, pool_block, bs, splits,
+                    blocks_per_split, block_q, block_tree, tree_steps, interpret, name):
+    """The pallas_call both entry points share. q_rows [B, K, R', D]; caches [B, S, K, D] (table None) or
+    pools viewed as [P * block, K, D] with table [B, NB']; returns the splits' (acc, max, sum)."""
+    b, k, rows_padded, d = q_rows.shape
+    m_padded = k_tree.shape[2]
+    if table is None:
+        s = k_cache.shape[1]
+        cache_spec = [pl.BlockSpec((None, s, None, d), lambda bi, h, qi, sp: (bi, 0, h, 0))]
+        tables = []
+    else:
+        cache_spec = [pl.BlockSpec((k_cache.shape[0], None, d), lambda bi, h, qi, sp: (0, h, 0))]
+        tables = [pl.BlockSpec((None, table.shape[1]), lambda bi, h, qi, sp: (bi, 0))]
+    kernel = functools.partial(_attention_kernel, pool_block=pool_block, block_kv=bs.block_kv,
+                               blocks_per_split=blocks_per_split, block_tree=block_tree, tree_steps=tree_steps,
+                               scale=float(d) ** -0.5)
     f32 = jnp.float32
-    acc, m_run, l_run = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((b, k, splits, rows_padded, d), f32),
                    jax.ShapeDtypeStruct((b, k, splits, rows_padded), f32),
                    jax.ShapeDtypeStruct((b, k, splits, rows_padded), f32)),
-        grid=(b, k, row_blocks, splits),
+        grid=(b, k, rows_padded // block_q, splits),
         in_specs=[
             pl.BlockSpec((b,), lambda bi, h, qi, sp: (0,)),
+            *tables,
             pl.BlockSpec((None, None, block_q, d), lambda bi, h, qi, sp: (bi, h, qi, 0)),
-            pl.BlockSpec((None, s, None, d), lambda bi, h, qi, sp: (bi, 0, h, 0)),
-            pl.BlockSpec((None, s, None, d), lambda bi, h, qi, sp: (bi, 0, h, 0)),
+            *cache_spec, *cache_spec,
             pl.BlockSpec((None, None, m_padded, d), lambda bi, h, qi, sp: (bi, h, 0, 0)),
             pl.BlockSpec((None, None, m_padded, d), lambda bi, h, qi, sp: (bi, h, 0, 0)),
             pl.BlockSpec((None, block_q, m_padded), lambda bi, h, qi, sp: (bi, qi, 0)),
@@ -156,6 +180,57 @@ def tree_attention_gpu(q, k_cache, v_cache, lengths, tree_mask, *, block_sizes: 
         ),
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret,
-        name="tree_attention_gpu",
-    )(lengths, q_rows, k_cache, v_cache, k_tree, v_tree, mask)
+        name=name,
+    )(lengths, *([] if table is None else [table]), q_rows, k_cache, v_cache, k_tree, v_tree, mask)
+
+
+@functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
+def tree_attention_gpu(q, k_cache, v_cache, lengths, tree_mask, *, block_sizes: BlockSizes | None = None,
+                       interpret=False):
+    """Tree attention, GPU (Triton) kernel. Same contract as `tree_attention_reference`.
+
+    interpret: False (compile with Triton) or True (Pallas' generic interpreter, any backend).
+    """
+    b, n, m, s, k, g, d = layout.check_inputs(q, k_cache, v_cache, lengths, tree_mask)
+    bs = _check(d, interpret, block_sizes)
+    block_q, rows_padded, splits, per_split, block_tree, tree_steps, m_padded = _tiles(n, g, m, s, b * k, bs)
+
+    lengths = layout.as_lengths(lengths)
+    q_rows = layout.fold_queries(q, k, rows_padded)  # [B, K, R', D]
+    k_tree = layout.tree_keys(k_cache, lengths, m, m_padded)  # [B, K, M', D]
+    v_tree = layout.tree_keys(v_cache, lengths, m, m_padded)
+    mask = layout.row_mask(tree_mask, lengths, s, g, rows_padded, m_padded)  # [B, R', M']
+    acc, m_run, l_run = _attention_call(
+        lengths, None, q_rows, k_cache, v_cache, k_tree, v_tree, mask, pool_block=None, bs=bs, splits=splits,
+        blocks_per_split=per_split, block_q=block_q, block_tree=block_tree, tree_steps=tree_steps,
+        interpret=interpret, name="tree_attention_gpu")
+    return layout.unfold_rows(merge_splits(acc, m_run, l_run, q.dtype), n, g)
+
+
+@functools.partial(jax.jit, static_argnames=("window", "block_sizes", "interpret"))
+def paged_tree_attention_gpu(q, k_pool, v_pool, block_table, lengths, tree_mask, *, window: int | None = None,
+                             block_sizes: BlockSizes | None = None, interpret=False):
+    """Tree attention over a paged cache, GPU (Triton) kernel; same contract as
+    `paged_tree_attention_reference`.
+
+    Each [block_kv, D] prefix tile gathers its rows from the pool through the row's block table (one
+    table load per slot, masked past the length and for -1 entries), so block_kv and the pool's block
+    size are independent: any pool block size works.
+    """
+    b, n, m, s, k, g, d, block, entries = layout.check_paged_inputs(q, k_pool, v_pool, block_table, lengths,
+                                                                     tree_mask, window)
+    bs = _check(d, interpret, block_sizes)
+    block_q, rows_padded, splits, per_split, block_tree, tree_steps, m_padded = _tiles(n, g, m, s, b * k, bs)
+
+    lengths = layout.as_lengths(lengths)
+    table = block_table[:, :entries].astype(jnp.int32)
+    q_rows = layout.fold_queries(q, k, rows_padded)  # [B, K, R', D]
+    k_tree = layout.paged_tree_keys(k_pool, table, lengths, m, m_padded, s)  # [B, K, M', D]
+    v_tree = layout.paged_tree_keys(v_pool, table, lengths, m, m_padded, s)
+    mask = layout.row_mask(tree_mask, lengths, s, g, rows_padded, m_padded)  # [B, R', M']
+    flat = (k_pool.shape[0] * block, k, d)  # free: a pool block's slots are contiguous
+    acc, m_run, l_run = _attention_call(
+        jnp.minimum(lengths, s), table, q_rows, k_pool.reshape(flat), v_pool.reshape(flat), k_tree, v_tree, mask,
+        pool_block=block, bs=bs, splits=splits, blocks_per_split=per_split, block_q=block_q, block_tree=block_tree,
+        tree_steps=tree_steps, interpret=interpret, name="paged_tree_attention_gpu")
     return layout.unfold_rows(merge_splits(acc, m_run, l_run, q.dtype), n, g)

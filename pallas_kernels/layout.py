@@ -8,10 +8,15 @@ The kernels see the tree's keys on their own axis, [B, K, M', D] gathered from s
 one row per (n, g), [B, R', M'] int32. Tree blocks then start at key 0, so a mask block lines up with
 its key block and no kernel needs a gather along lanes; cache blocks hold only the prefix
 [0, length), whose visibility is just `slot < length`.
+
+Paged caches (pallas_kernels/paged.py) keep K / V in a pool of blocks read through a block table; the
+tree's keys are gathered through the table the same way (`paged_tree_keys`), so only the prefix
+blocks differ between the contiguous and the paged kernels.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 
@@ -93,3 +98,56 @@ def finish(acc, l, dtype):
     safe = jnp.where(l > 0, l, 1.0)
     return (acc / safe).astype(dtype)
 
+
+
+# Paged caches: K / V live in a pool [P, block, K, D] shared by all rows, and row b's logical slot s is
+# pool[table[b, s // block], s % block]; a -1 table entry holds no block (its slots read as zeros).
+
+def window_blocks(num_entries: int, block: int, window: int | None) -> tuple[int, int]:
+    """(table entries a call reads, logical slots it sees) for slots [0, window) of a table of
+    num_entries entries: like slicing the gathered cache, a window past the table's end sees the
+    whole table."""
+    if window is None:
+        return num_entries, num_entries * block
+    entries = min(cdiv(window, block), num_entries)
+    return entries, min(window, entries * block)
+
+
+def check_paged_inputs(q, k_pool, v_pool, block_table, lengths, tree_mask, window):
+    """Raises ValueError unless the shapes fit together; returns (B, N, M, S, K, G, D, block, NB'):
+    S logical slots and NB' table entries in the window."""
+    if q.ndim != 4 or k_pool.ndim != 4:
+        raise ValueError(f"q must be [B, N, Hq, D] and pools [P, block, Hkv, D]; got q {q.shape}, k_pool {k_pool.shape}")
+    if v_pool.shape != k_pool.shape:
+        raise ValueError(f"v_pool {v_pool.shape} must match k_pool {k_pool.shape}")
+    b, d = q.shape[0], q.shape[3]
+    if block_table.ndim != 2 or block_table.shape[0] != b or block_table.shape[1] < 1:
+        raise ValueError(f"block_table must be [B, NB] = [{b}, NB >= 1], got {block_table.shape}")
+    if not jnp.issubdtype(block_table.dtype, jnp.integer):
+        raise ValueError(f"block_table must hold integers, got {block_table.dtype}")
+    if k_pool.shape[3] != d:
+        raise ValueError(f"k_pool {k_pool.shape} does not fit q {q.shape} (head dims must match)")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ValueError(f"window must be None or a positive int, got {window!r}")
+    block = k_pool.shape[1]
+    entries, slots = window_blocks(block_table.shape[1], block, window)
+    logical = jax.ShapeDtypeStruct((b, slots) + k_pool.shape[2:], k_pool.dtype)  # the gathered cache
+    b, n, m, s, k, g, d = check_inputs(q, logical, logical, lengths, tree_mask)
+    return b, n, m, s, k, g, d, block, entries
+
+
+def paged_tree_keys(pool, table, lengths, m: int, m_padded: int, num_slots: int):
+    """The tree's rows of one pool, [P, block, K, D] -> [B, K, M', D] (cf. tree_keys).
+
+    Key j is logical slot length + j, read through the table. Keys at j >= M, past num_slots or in a
+    block the row does not hold are zeros (selected, so NaN in the pool cannot leak).
+    """
+    p, block = pool.shape[:2]
+    slot = lengths[:, None] + jnp.arange(m_padded, dtype=jnp.int32)[None, :]  # [B, M']
+    entry = jnp.clip(slot // block, 0, table.shape[1] - 1)
+    phys = jnp.take_along_axis(table.astype(jnp.int32), entry, axis=1)  # [B, M']
+    valid = (jnp.arange(m_padded)[None, :] < m) & (slot < num_slots) & (phys >= 0)
+    flat = jnp.where(valid, phys * block + slot % block, 0)
+    rows = jnp.take(pool.reshape((p * block,) + pool.shape[2:]), flat, axis=0)  # [B, M', K, D]
+    rows = jnp.where(valid[:, :, None, None], rows, jnp.zeros((), pool.dtype))
+    return rows.transpose(0, 2, 1, 3)

@@ -21,6 +21,9 @@ Implementations (same signature, same numbers up to rounding):
 a compiled kernel does not take (see `_kernel_takes`) fall back to the reference.
 `use_implementation(...)` overrides that choice for everything traced inside it, e.g. to run the
 whole engine through an interpreted kernel in a test.
+
+`paged_tree_attention` (pallas_kernels/paged.py) is the same attention over a paged cache (a block
+pool read through a block table), dispatched the same way.
 """
 
 from __future__ import annotations
@@ -104,7 +107,8 @@ def _kernel_takes(implementation: str, q, k_cache) -> bool:
 
 @contextlib.contextmanager
 def use_implementation(implementation: str, *, interpret=False, block_sizes: BlockSizes | None = None):
-    """Routes every `tree_attention` call traced inside the block to `implementation`.
+    """Routes every `tree_attention` / `paged_tree_attention` call traced inside the block to
+    `implementation`.
 
     The choice is read at trace time: a function jitted and traced before (same shapes) keeps the
     implementation it was traced with, so call `jax.clear_caches()` around the block when the same
@@ -119,16 +123,10 @@ def use_implementation(implementation: str, *, interpret=False, block_sizes: Blo
         _forced.reset(token)
 
 
-def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, interpret=False, implementation: str | None = None,
-                   block_sizes: BlockSizes | None = None):
-    """Tree attention through the best implementation for the backend (see the module docstring).
-
-    q [B, N, Hq, D]; caches [B, S, Hkv, D] with the tree's keys at [length, length + M); lengths [B]
-    int32; tree_mask [B, N, M] bool. Returns [B, N, Hq, D] in q's dtype.
-
-    interpret: run the chosen kernel in Pallas interpret mode (tests); ignored by the reference.
-    An explicit `implementation` wins over `use_implementation`, which wins over the backend default.
-    """
+def resolve_implementation(implementation: str | None, interpret, block_sizes: BlockSizes | None, q, k_cache):
+    """(implementation, interpret, block_sizes) for one call: an explicit `implementation` wins over
+    `use_implementation`, which wins over the backend default (with its head-shape fallback). k_cache is
+    anything [*, *, Hkv, D], a contiguous cache or a block pool."""
     forced = _forced.get()
     if implementation is None and forced is not None:
         implementation = forced.implementation
@@ -139,6 +137,21 @@ def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, interpret=False, 
         if implementation != "reference" and not interpret and not _kernel_takes(implementation, q, k_cache):
             implementation = "reference"
     _check_implementation(implementation)
+    return implementation, interpret, block_sizes
+
+
+def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, interpret=False, implementation: str | None = None,
+                   block_sizes: BlockSizes | None = None):
+    """Tree attention through the best implementation for the backend (see the module docstring).
+
+    q [B, N, Hq, D]; caches [B, S, Hkv, D] with the tree's keys at [length, length + M); lengths [B]
+    int32; tree_mask [B, N, M] bool. Returns [B, N, Hq, D] in q's dtype.
+
+    interpret: run the chosen kernel in Pallas interpret mode (tests); ignored by the reference.
+    An explicit `implementation` wins over `use_implementation`, which wins over the backend default.
+    """
+    implementation, interpret, block_sizes = resolve_implementation(implementation, interpret, block_sizes, q,
+                                                                    k_cache)
     if implementation == "tpu":
         from pallas_kernels.tpu import tree_attention_tpu  # kernel modules load only when used
 

@@ -49,8 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--prefill-tokens", type=int, help=f"padded prompt tokens per prefill (default: {d.prefill_tokens})")
     a("--prefill-chunk", type=int, help="a longer prompt is prefilled alone in chunks of this many tokens, running "
                                         f"requests stepping between them (default: {d.prefill_chunk})")
-    a("--kv-cache-tokens", type=int, help="KV cache slots the running requests share: a batch of b rows holds requests "
-                                          "of up to this / b tokens each (default: 8 rows of --max-model-len; 0: no limit)")
+    a("--kv-cache-tokens", type=int, help="KV cache slots the running requests share; each request takes the blocks "
+                                          "its prompt + max_tokens need, and waits while too few are free (default: "
+                                          "8 rows of --max-model-len; 0: --max-batch rows of it)")
+    a("--block-size", type=int, help=f"slots per KV cache block (default: {d.block_size}; 0: contiguous rows, a batch "
+                                     "of b rows then holding requests of up to --kv-cache-tokens / b tokens each)")
     a("--resident-tree-buckets", type=int, help="batch buckets whose speculation programs stay loaded; others are "
                                                 "loaded again when stepped (default: "
                                                 f"{d.resident_tree_buckets}; 0: all)")

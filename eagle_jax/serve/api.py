@@ -196,6 +196,8 @@ class Api:
         gauges = [("eagle_requests_running", {}, c["running"]), ("eagle_requests_waiting", {}, c["waiting"]),
                   ("eagle_batch_size", {}, c["batch"]), ("eagle_batch_bucket", {}, c["bucket"]),
                   ("eagle_slots_free", {}, c["free"])]
+        if "kv_blocks_used" in c:  # a paged KV cache (`serve.blocks`)
+            gauges += [("eagle_kv_blocks_used", {}, c["kv_blocks_used"]), ("eagle_kv_blocks_free", {}, c["kv_blocks_free"])]
         policy = self.scheduler.policy
         snap = policy.snapshot()
         last = getattr(policy, "last_choice", None)

@@ -178,13 +178,16 @@ def create_app(target, head=None, config=None, *, profile=None, metrics: Metrics
                                 batch_buckets=tuple(config.batch_buckets), prefill_batches=tuple(config.prefill_batches),
                                 prefill_tokens=config.prefill_tokens, prefill_chunk=config.prefill_chunk,
                                 max_queue=config.max_queue, kv_cache_tokens=kv_cache_tokens(config, max_model_len),
-                                resident_tree_buckets=config.resident_tree_buckets)
+                                resident_tree_buckets=config.resident_tree_buckets, block_size=config.block_size)
     CompileCounter.watch()
     head, policy = speculation_policy(target, head, config, sched_cfg, profile)
     scheduler = Scheduler(target, head, policy, sched_cfg, metrics, profile_dir=config.profile_dir,
                           profile_reps=config.profile_reps)
-    log.info("KV cache: %d slots shared; longest request (prompt + max_tokens) a row holds, by batch bucket: %s",
-             sched_cfg.kv_cache_tokens, ", ".join(f"{b}: {n}" for b, (n, _) in scheduler.lengths.items()))
+    if scheduler.blocks is not None:
+        log.info("KV cache: %d blocks of %d slots shared, handed to requests by need", *scheduler.pages)
+    else:
+        log.info("KV cache: %d slots shared; longest request (prompt + max_tokens) a row holds, by batch bucket: %s",
+                 sched_cfg.kv_cache_tokens, ", ".join(f"{b}: {n}" for b, (n, _) in scheduler.lengths.items()))
     if config.warmup:  # compiled in the background once the app starts; served meanwhile
         if config.compile_cache:  # a restart loads the prepared programs without tracing them
             scheduler.engine.use_store(os.path.join(config.compile_cache, "programs"))
@@ -219,9 +222,13 @@ def speculation_policy(target, head, config: ServeConfig, sched_cfg: SchedulerCo
     candidates = [None] + trees
     if profile is None:  # the cached one, else measured on real steps as the server serves
         cache_len = cache_length(sched_cfg.max_model_len, candidates)
-        if sched_cfg.kv_cache_tokens:  # batch buckets with shorter caches: steps of other costs
+        pages = None
+        if sched_cfg.block_size:  # paged caches: every bucket's attention walks what its rows hold
+            pages = (sched_cfg.block_size, sched_cfg.kv_cache_tokens)
+        elif sched_cfg.kv_cache_tokens:  # batch buckets with shorter caches: steps of other costs
             cache_len = [c for _, c in bucket_lengths(sched_cfg, candidates).values()]
-        key = profiles.profile_key(target, head, sched_cfg.buckets(), [tree_name(t) for t in candidates], cache_len)
+        key = profiles.profile_key(target, head, sched_cfg.buckets(), [tree_name(t) for t in candidates], cache_len,
+                                   pages=pages)
         profile = None if config.reprofile else profiles.load_cached(key, config.profile_dir)
         if profile is None:
             profile = profiles.Profile(key, {}, {"device": profiles.device_kind(), "model": target.name,

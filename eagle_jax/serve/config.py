@@ -37,9 +37,11 @@ class ServeConfig:
     prefill_batches: tuple[int, ...] = (1, 4)
     prefill_tokens: int = 2048
     prefill_chunk: int = 64
-    # KV cache slots the running rows share (default: 8 rows of max_model_len; 0: every row holds
-    # max_model_len). Larger batch buckets then hold shorter requests (`SchedulerConfig.kv_cache_tokens`).
+    # KV cache slots the running rows share (default: 8 rows of max_model_len; 0: max_batch rows of
+    # max_model_len). Paged (block_size > 0), requests take the blocks they need from that pool;
+    # contiguous (block_size 0), larger batch buckets hold shorter requests (`SchedulerConfig`).
     kv_cache_tokens: int | None = None
+    block_size: int = 16  # KV cache block (slots); 0: contiguous rows (`serve.blocks`)
     # Batch buckets whose tree programs stay loaded (0: all; `SchedulerConfig.resident_tree_buckets`).
     resident_tree_buckets: int = 2
     profile_dir: str | None = None  # default ~/.cache/eagle_jax/harness
@@ -58,6 +60,8 @@ class ServeConfig:
             raise ConfigError(f"prefill_chunk must be >= 16 tokens, got {self.prefill_chunk}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 0:
             raise ConfigError(f"kv_cache_tokens must be >= 0 (0: no limit), got {self.kv_cache_tokens}")
+        if self.block_size < 0:
+            raise ConfigError(f"block_size must be >= 0 (0: contiguous rows), got {self.block_size}")
         if self.resident_tree_buckets < 0:
             raise ConfigError(f"resident_tree_buckets must be >= 0 (0: all), got {self.resident_tree_buckets}")
         if self.max_queue < 0:

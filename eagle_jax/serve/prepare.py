@@ -52,10 +52,9 @@ import jax.numpy as jnp
 
 from eagle_jax import profiles
 from eagle_jax.harness import Choice
-from eagle_jax.rows import compile_take_rows, insert_rows
+from eagle_jax.rows import compile_take_rows, insert_rows, without_pools
 from eagle_jax.serve.memory import release_free_memory
 from eagle_jax.serve.metrics import CompileCounter
-from eagle_jax.steps import empty_state
 from eagle_jax.tree import tree_name
 
 log = logging.getLogger("eagle_jax.serve")
@@ -156,10 +155,10 @@ class Preparation(OnDemand):
         """The shapes of a batch bucket's state (full: of a prefill's, whose caches hold max_model_len)."""
         s = self.s
         lengths = (s.cache_len, s.draft_len) if full else s.caches(batch)
-        return jax.eval_shape(lambda: empty_state(s.target, s.head, batch, *lengths))
+        return jax.eval_shape(lambda: s.engine.empty_state(batch, *lengths, s.pages))
 
     def _compile_step(self, bucket: int, tree, sampling: bool = True) -> None:
-        self.s.engine.compile_step(bucket, *self.s.caches(bucket), tree, sampling=sampling)
+        self.s.engine.compile_step(bucket, *self.s.caches(bucket), tree, sampling=sampling, pages=self.s.pages)
 
     def _skip(self, key) -> str | None:
         """Why the program of this task is not needed (a tree step the cost profile shows cannot win at its
@@ -169,16 +168,19 @@ class Preparation(OnDemand):
         return hopeless(self.s.profile, key[1], next(t for t in self.s.trees if t.name == key[2]))
 
     def _compile_prefill(self, batch: int, tokens: int) -> None:
-        self.s.engine.compile_prefill(batch, tokens, self.s.cache_len, self.s.draft_len)
+        self.s.engine.compile_prefill(batch, tokens, self.s.cache_len, self.s.draft_len, pages=self.s.pages)
 
     def _compile_rows(self, bucket: int, smaller) -> None:
         """Newcomers' scatters into this bucket, and the gathers between it and every smaller bucket."""
-        state = self._abstract_state(bucket)
+        # (paged: the rows' part alone moves; the pools stay where they are)
+        part = (lambda x: x) if self.s.pages is None else without_pools  # noqa: E731
+        state = part(self._abstract_state(bucket))
         for pb in self.s.prefill_batches:
-            insert_rows.lower(state, self._abstract_state(pb, full=True), jax.ShapeDtypeStruct((pb,), jnp.int32)).compile()
+            insert_rows.lower(state, part(self._abstract_state(pb, full=True)),
+                              jax.ShapeDtypeStruct((pb,), jnp.int32)).compile()
         for other in smaller:
             compile_take_rows(state, other, *self.s.caches(other))
-            compile_take_rows(self._abstract_state(other), bucket, *self.s.caches(bucket))
+            compile_take_rows(part(self._abstract_state(other)), bucket, *self.s.caches(bucket))
 
     # --- the thread ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -297,9 +299,9 @@ class Preparation(OnDemand):
         """The engine's key (`Engine.programs`) of a step or prefill task's program."""
         e, s = self.s.engine, self.s
         if key[0] == "prefill":
-            return e.prefill_key(key[1], key[2], s.cache_len, s.draft_len)
+            return e.prefill_key(key[1], key[2], s.cache_len, s.draft_len, pages=s.pages)
         tree = None if key[2] == "off" else self._tree(key)
-        return e.step_key(key[1], *s.caches(key[1]), tree, tree is None or key[-1] == "sampled")
+        return e.step_key(key[1], *s.caches(key[1]), tree, tree is None or key[-1] == "sampled", pages=s.pages)
 
     def _warm(self, key) -> None:
         """A step or prefill program's first run, on empty inputs of at most WARM_BYTES (`Engine.warm`)."""

@@ -8,6 +8,7 @@ import logging
 import math
 from typing import Callable, Sequence
 
+from eagle_jax.sampling import SamplingParams
 from eagle_jax.steps import tree_slack
 from eagle_jax.stream import TokenStream
 
@@ -57,6 +58,7 @@ class Request:
         self.stream: TokenStream | None = None  # EOS, stop strings, max_tokens, text: set when it gets a slot
         self.finish_reason: str | None = None
         self.slot: int | None = None
+        self.blocks: list[int] | None = None  # KV blocks it holds (a paged server: `serve.blocks`)
 
     def emit(self, event: Event) -> None:
         if self.sink is None:
@@ -87,12 +89,17 @@ class SchedulerConfig:
     # bucket's are dropped beyond that and loaded again from the program store when it is stepped again
     # (`serve.prepare.Preparation`): a bucket's trees hold 0.2-0.6 GB of compiled programs for SmolLM2.
     resident_tree_buckets: int = 0
+    # Paged KV cache (`serve.blocks`): blocks of this many slots in one pool of kv_cache_tokens slots
+    # (0: max_batch rows of max_model_len), handed to requests by need; 0: contiguous rows as above.
+    block_size: int = 0
 
     def __post_init__(self):
         if self.prefill_chunk < 16:
             raise ValueError(f"prefill_chunk must be >= 16 tokens, got {self.prefill_chunk}")
         if self.kv_cache_tokens < 0:
             raise ValueError(f"kv_cache_tokens must be >= 0 (0: no limit), got {self.kv_cache_tokens}")
+        if self.block_size < 0:
+            raise ValueError(f"block_size must be >= 0 (0: contiguous rows), got {self.block_size}")
         if self.resident_tree_buckets < 0:
             raise ValueError(f"resident_tree_buckets must be >= 0 (0: all), got {self.resident_tree_buckets}")
 
@@ -105,6 +112,13 @@ class SchedulerConfig:
             out.append(b)
             b *= 2
         return tuple(out + [self.max_batch])
+
+
+def sampling_params(reqs: Sequence[Request | None], batch: int) -> SamplingParams:
+    """The requests' sampling parameters, `batch` rows (greedy where there is no request)."""
+    reqs = list(reqs) + [None] * (batch - len(reqs))
+    return SamplingParams.make(batch, [r.temperature if r else 0.0 for r in reqs], [r.top_k if r else 0 for r in reqs],
+                               [r.top_p if r else 1.0 for r in reqs], [r.seed if r else 0 for r in reqs])
 
 
 def cache_length(max_model_len: int, trees) -> int:

@@ -1,16 +1,15 @@
 """The engine loop: continuous batching over static batch buckets, on one thread that owns the JAX state.
 
-The running batch is one `SpecState` (a target served without a head carries an empty draft cache) of a
-batch bucket B (a power of two <= max_batch) and a fixed cache length (max_model_len + tree slack).
+The running batch is one `DecodeState` (a target served without a head carries an empty draft cache) of a
+batch bucket B (a power of two <= max_batch) and a fixed cache length (max_model_len + tree slack); with
+`block_size`, its caches are paged and requests hold KV blocks by need (`serve.blocks`).
 Each loop iteration:
 
 1. drops cancelled requests (client went away, or a stop string was found): their slot is free at once;
 2. admits waiting requests into free slots, one prefill batch at a time (at most `prefill_batches[-1]`
    requests and `prefill_tokens` padded prompt tokens), so running rows wait for at most one prefill
-   between two of their steps. Newcomers are prefilled as their own batch (prompt-length bucket, same
-   cache length) and scattered into free rows (`rows.insert_rows`); when the bucket is too
-   small the state is first gathered into a larger one (`rows.take_rows`). A prompt longer than
-   `prefill_chunk` is prefilled alone, one chunk per iteration, and joins after its last chunk;
+   between two of their steps (`serve.admission`). A prompt longer than `prefill_chunk` is prefilled
+   alone, one chunk per iteration, and joins after its last chunk;
 3. runs one step for all rows with the candidate the policy picks (the harness, a fixed tree, or plain
    decoding); rows without a request pass active=False and commit nothing;
 4. hands each request its new tokens; rows that hit EOS or max_tokens leave, and the batch shrinks to
@@ -25,7 +24,6 @@ output does not depend on its batch neighbours.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import threading
 import time
@@ -35,29 +33,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle_jax.engine import engine_for
-from eagle_jax.rows import insert_rows, next_pow2, pad_prompts, take_rows
+from eagle_jax.rows import clear_paged_rows, take_rows
+from eagle_jax.serve.admission import Admission, Chunked
+from eagle_jax.serve.blocks import PagedBlocks
 from eagle_jax.serve.prepare import OnDemand, Preparation, choose_step, record_cost
 from eagle_jax.serve.requests import (Event, QueueFull, Request, SchedulerConfig, ShuttingDown, bucket_lengths,
-                                      cache_length)
+                                      cache_length, sampling_params)
 from eagle_jax.sampling import SamplingParams
-from eagle_jax.steps import DecodeState, draft_extra, empty_state
-from eagle_jax.stream import TokenStream
+from eagle_jax.steps import DecodeState, draft_extra, tree_slack
 
 log = logging.getLogger("eagle_jax.serve")
 
 
-@dataclasses.dataclass
-class _Chunked:
-    """A long prompt's prefill in progress: its request, the batch-1 state its chunks have written so
-    far (None before the first), and how many of its tokens that holds."""
-
-    req: Request
-    state: DecodeState | None = None
-    done: int = 0
-    seconds: float = 0.0
-
-
-class Scheduler:
+class Scheduler(Admission):
     def __init__(self, target, head, policy, config: SchedulerConfig = SchedulerConfig(), metrics=None, *,
                  profile_dir=None, profile_reps: int = 5):
         trees = [t for t in getattr(policy, "candidates", [getattr(policy, "tree", None)]) if t is not None]
@@ -70,6 +58,13 @@ class Scheduler:
         self.cache_len = cache_length(config.max_model_len, trees)  # a prefill's (a full-length row's)
         self.draft_len = self.cache_len + draft_extra(trees)
         self.lengths = bucket_lengths(config, trees)  # bucket -> (longest request, cache length) of its rows
+        # Paged caches (`serve.blocks`): every bucket's rows may hold max_model_len, the pool's blocks decide.
+        self.blocks = None if not config.block_size else PagedBlocks(
+            target, head, config.block_size, config.kv_cache_tokens, config.max_batch, self.cache_len, self.draft_len,
+            tree_slack(trees))
+        self.pages = None if self.blocks is None else self.blocks.pages
+        if self.blocks is not None:
+            self.lengths = {b: (config.max_model_len, self.cache_len) for b in self.lengths}
         self.eos = set(target.eos_token_ids)
         self.trees = trees
         # What may run now (everything, compiled on first use, unless `prepare_in_background`), and the
@@ -91,7 +86,7 @@ class Scheduler:
         self.synced = np.zeros(0, bool)  # row has a draft in step with its target (plain steps keep it so)
         self._params = None  # device SamplingParams for the current slots
         self._small_steps = 0
-        self._chunked: _Chunked | None = None  # a long prompt being prefilled chunk by chunk
+        self._chunked: Chunked | None = None  # a long prompt being prefilled chunk by chunk
         self.last_batch = 0
         self.steps = 0
         self.thread: threading.Thread | None = None
@@ -154,8 +149,9 @@ class Scheduler:
     def counts(self) -> dict:
         with self._lock:
             running, waiting = self._n_running, len(self._waiting)
-        return {"running": running, "waiting": waiting, "bucket": len(self.slots), "batch": self.last_batch,
-                "free": self.config.max_batch - running}
+        out = {"running": running, "waiting": waiting, "bucket": len(self.slots), "batch": self.last_batch,
+               "free": self.config.max_batch - running}
+        return out if self.blocks is None else out | self.blocks.counts()
 
     # --- loop ---------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -190,6 +186,8 @@ class Scheduler:
                 self._fail(r, "the server is shutting down" if self.failure is None else f"engine failure: {self.failure}")
 
     def _fail(self, req: Request, message: str) -> None:
+        if self.blocks is not None:
+            self.blocks.release(req)
         if req.finish_reason is None:
             req.finish_reason = "error"
             req.emit(Event("error", message=message))
@@ -214,6 +212,8 @@ class Scheduler:
                 self._finish(slot, cancels[r])
         if self._chunked is not None and self._chunked.req in cancels:
             req, self._chunked = self._chunked.req, None
+            if self.blocks is not None:
+                self.blocks.release(req)
             with self._lock:
                 self._n_running -= 1
             req.finish_reason = cancels[req]
@@ -222,6 +222,9 @@ class Scheduler:
     def _finish(self, slot: int, reason: str) -> None:
         req = self.slots[slot]
         self.slots[slot] = None
+        if self.blocks is not None:  # the row lets go of its blocks before anyone else gets them
+            self.state = clear_paged_rows(self.state, [slot])
+            self.blocks.release(req)
         with self._lock:
             self._n_running -= 1
         if req.finish_reason is None:
@@ -235,7 +238,7 @@ class Scheduler:
         rows = [i for i, r in enumerate(self.slots) if r is not None]
         cache_len, draft_len = self.caches(bucket)
         if self.state is None:
-            self.state = empty_state(self.target, self.head, bucket, cache_len, draft_len)
+            self.state = self.engine.empty_state(bucket, cache_len, draft_len, self.pages)
         else:
             src = np.asarray(rows + [-1] * (bucket - len(rows)), np.int32)
             # One array of the old state at a time (`take_rows(consume=True)`); if the move fails part-way,
@@ -256,165 +259,11 @@ class Scheduler:
         c = self.lengths[bucket][1]
         return c, c + self.draft_len - self.cache_len
 
-    def _target_bucket(self, reqs) -> int | None:
-        """The batch bucket the running rows plus `reqs` move to (the smallest compiled one with room for
-        them all), or None when none holds them (a bucket's rows are at most `lengths[b][0]` tokens long)."""
-        rows = [r for r in self.slots if r is not None] + list(reqs)
-        need = max((len(r.prompt_ids) + r.max_tokens for r in rows), default=0)
-        b = next((x for x in self._ready_buckets() if x >= len(rows)), None)
-        return b if b is not None and need <= self.lengths[b][0] else None
-
     def _sampling_params(self) -> SamplingParams:
         if self._params is None:
-            reqs = self.slots
-            p = SamplingParams.make(
-                len(reqs),
-                [r.temperature if r else 0.0 for r in reqs], [r.top_k if r else 0 for r in reqs],
-                [r.top_p if r else 1.0 for r in reqs], [r.seed if r else 0 for r in reqs])
+            p = sampling_params(self.slots, len(self.slots))
             self._params = SamplingParams(*(jnp.asarray(a) for a in (p.temperature, p.top_k, p.top_p, p.seed)))
         return self._params
-
-    def _take_newcomers(self, free: int) -> list[Request]:
-        cap = min(free, self.prefill_batches[-1])
-        out: list[Request] = []
-        with self._lock:
-            while self._waiting and len(out) < cap:
-                nxt = self._waiting[0]
-                if len(nxt.prompt_ids) > self.config.prefill_chunk:  # alone, chunk by chunk (`_prefill_chunk`)
-                    if not out and self._chunked is None:
-                        self._chunked = _Chunked(self._waiting.popleft())
-                        self._n_running += 1
-                    break
-                longest = max([len(r.prompt_ids) for r in out] + [len(nxt.prompt_ids)])
-                b = next(x for x in self.prefill_batches if x >= len(out) + 1)
-                if out and b * self.prompt_bucket(longest) > self.config.prefill_tokens:
-                    break
-                # Room for the request (and a long prompt still being prefilled) in the bucket they need.
-                if self._target_bucket(out + [nxt] + ([self._chunked.req] if self._chunked else [])) is None:
-                    break
-                if not self.ready.prefill_ready(b, self.prompt_bucket(longest)):
-                    if not out:  # compiled next; running rows keep stepping meanwhile
-                        self.ready.want_prefill(b, self.prompt_bucket(longest))
-                    break
-                out.append(self._waiting.popleft())
-            self._n_running += len(out)
-        return out
-
-    def _ready_buckets(self) -> list[int]:
-        return [b for b in self.buckets if self.ready.bucket_ready(b)]
-
-    def _admit(self) -> None:
-        ready = self._ready_buckets()
-        free = (ready[-1] if ready else 0) - self._n_running
-        if free <= 0 or not self._waiting:
-            return
-        newcomers = self._take_newcomers(free)
-        if not newcomers:
-            return
-        try:
-            k = len(newcomers)
-            b = next(x for x in self.prefill_batches if x >= k)
-            t = self.prompt_bucket(max(len(r.prompt_ids) for r in newcomers))
-            tokens, lens = pad_prompts([r.prompt_ids for r in newcomers], b, t)
-            t0 = time.perf_counter()
-            new = self._prefill(tokens, lens, self._newcomer_params(newcomers, b))
-            first = self._place(newcomers, new, b)
-            dt = time.perf_counter() - t0
-        except Exception as e:
-            self._prefill_failed(newcomers, e)
-            return
-        self._count_prefill(newcomers, dt)
-        self._started(newcomers, first)
-
-    def _prefill_chunk(self) -> bool:
-        """The next chunk of the long prompt being prefilled (`SchedulerConfig.prefill_chunk` tokens,
-        continuing the caches its last chunk wrote); after the last one its row joins the batch. False
-        while that chunk's program is still being compiled (running rows keep stepping)."""
-        job, c = self._chunked, self.config.prefill_chunk
-        ids = job.req.prompt_ids
-        n = min(c, len(ids) - job.done)
-        last = job.done + n == len(ids)
-        t = self.prompt_bucket(n)
-        if not self.ready.prefill_ready(1, t):
-            self.ready.want_prefill(1, t)
-            return False
-        if last and self._target_bucket([job.req]) is None:
-            return False
-        try:
-            tokens, lens = pad_prompts([ids[job.done: job.done + n]], 1, t)
-            t0 = time.perf_counter()
-            job.state = self._prefill(tokens, lens, self._newcomer_params([job.req], 1), prev=job.state,
-                                      follow=[-1 if last else ids[job.done + n]])
-            job.done += n
-            job.seconds += time.perf_counter() - t0
-            if not last:
-                job.state.root.block_until_ready()  # one chunk per loop iteration, then the running rows' step
-                return True
-            t0 = time.perf_counter()
-            first = self._place([job.req], job.state, 1)
-            job.seconds += time.perf_counter() - t0
-        except Exception as e:
-            self._chunked = None
-            self._prefill_failed([job.req], e)
-            return True
-        self._chunked = None
-        self._count_prefill([job.req], job.seconds)
-        self._started([job.req], first)
-        return True
-
-    def _newcomer_params(self, newcomers, b: int) -> SamplingParams:
-        return SamplingParams.make(len(newcomers), [r.temperature for r in newcomers], [r.top_k for r in newcomers],
-                                   [r.top_p for r in newcomers], [r.seed for r in newcomers]).pad_to(b)
-
-    def _place(self, newcomers, new: DecodeState, b: int):
-        """Scatters prefilled rows (`new`, b rows, the first len(newcomers) real) into free slots of the
-        batch, gathering it into a larger bucket first when it is full. Returns their first tokens."""
-        need = sum(r is not None for r in self.slots) + len(newcomers)
-        longest = max(len(r.prompt_ids) + r.max_tokens for r in self.slots + list(newcomers) if r is not None)
-        if self.state is None or need > len(self.slots) or longest > self.lengths[len(self.slots)][0]:
-            self._resize(self._target_bucket(newcomers))  # a bucket with room: checked when they were taken
-        free_slots = [i for i, r in enumerate(self.slots) if r is None][: len(newcomers)]
-        dst = np.asarray(free_slots + [len(self.slots)] * (b - len(newcomers)), np.int32)
-        self.state = insert_rows(self.state, new, jnp.asarray(dst))
-        first = np.asarray(new.root)
-        for slot, r in zip(free_slots, newcomers):
-            self.slots[slot] = r
-            r.slot = slot
-        return first
-
-    def _prefill_failed(self, newcomers, e: Exception) -> None:
-        log.exception("prefill failed")
-        with self._lock:
-            self._n_running -= len(newcomers)
-        for r in newcomers:
-            if r.slot is not None and r.slot < len(self.slots) and self.slots[r.slot] is r:
-                self.slots[r.slot] = None
-            self._fail(r, f"prefill failed: {e}")
-        self._recover_if_broken()
-
-    def _count_prefill(self, newcomers, seconds: float) -> None:
-        if self.metrics is not None:
-            self.metrics.count_prefill(sum(len(r.prompt_ids) for r in newcomers), seconds)
-
-    def _started(self, newcomers, first) -> None:
-        """Newcomers placed in the batch: their streams, and their first token (the prefill's root)."""
-        self._params = None
-        for r in newcomers:
-            r.stream = TokenStream(self.target.tokenizer, max_tokens=r.max_tokens,
-                                   eos_ids=() if r.ignore_eos else self.eos, stop=r.stop)
-            self.synced[r.slot] = self.head is not None
-        for i, r in enumerate(newcomers):
-            self._deliver(r.slot, [int(first[i])])
-
-    def prompt_bucket(self, n: int) -> int:
-        # Octaves (16, 32, 64, ...), never wider than the cache the prompt is written into: each prefill
-        # program stays resident (35-40 MB for SmolLM2), so half-octaves would cost 4 more for 1.5x less padding.
-        return min(next_pow2(n, 16), self.cache_len)
-
-    def _prefill(self, tokens, lens, params, prev=None, follow=None) -> DecodeState:
-        """Prefills a batch of newcomers [b, t] into a fresh state of the running cache length, or the
-        next chunk of a long prompt into `prev` (see `Engine.run_prefill`)."""
-        return self.engine.run_prefill(tokens, lens, self.cache_len, self.draft_len, params, prev=prev, follow=follow)
 
     def _recover_if_broken(self) -> None:
         """After a failed jitted call the donated state may be gone: fail the running rows and start over."""
@@ -425,11 +274,14 @@ class Scheduler:
                                 for x in jax.tree_util.tree_leaves(self.state))
         except Exception:
             leaves_ok = False
-        if leaves_ok:
-            return
+        if not leaves_ok:
+            self._fail_running("engine state lost after an error")
+
+    def _fail_running(self, message: str) -> None:
+        """Every running row fails with `message`, and the batch state is dropped."""
         for slot, r in enumerate(self.slots):
             if r is not None:
-                self._fail(r, "engine state lost after an error")
+                self._fail(r, message)
                 self.slots[slot] = None
                 with self._lock:
                     self._n_running -= 1
@@ -452,13 +304,7 @@ class Scheduler:
             emitted, count = np.asarray(emitted), np.asarray(count)
         except Exception as e:
             log.exception("decoding step failed")
-            for slot, r in enumerate(self.slots):
-                if r is not None:
-                    self._fail(r, f"decoding step failed: {e}")
-                    self.slots[slot] = None
-                    with self._lock:
-                        self._n_running -= 1
-            self._release()
+            self._fail_running(f"decoding step failed: {e}")
             return
         dt = time.perf_counter() - t0
         self.steps += 1

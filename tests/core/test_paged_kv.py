@@ -1,6 +1,7 @@
 """Paged KV cache: the block pool, the paged cache functions against the contiguous ones, and decoding on
 paged caches against plain decoding on contiguous ones (greedy token for token, sampled rows alike)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -182,12 +183,34 @@ def test_a_paged_engine_state_holds_only_the_blocks_its_rows_need(oracle):
     assert st.cache.max_len == st.draft_cache.max_len == 19 * 16 and st.cache.batch == 4
 
 
-def test_row_surgery_for_contiguous_caches_refuses_a_paged_state(oracle):
-    from eagle_jax.rows import insert_rows, take_rows
+def test_paged_row_surgery_moves_tables_and_rows_and_leaves_the_pools_in_place(oracle):
+    from eagle_jax.rows import clear_paged_rows, insert_paged_rows, insert_rows, pools, take_rows, without_pools
 
     tgt, head = oracle
-    st = engine.Engine(tgt, head).paged_state([10], 2, 64, 80, 16)
-    with pytest.raises(ValueError, match="take_rows moves the rows of contiguous caches"):
-        take_rows(st, [0])
-    with pytest.raises(ValueError, match="insert_rows moves the rows of contiguous caches"):
-        insert_rows(st, st, jnp.asarray([0, 1]))
+    eng = engine.Engine(tgt, head)
+    st = eng.paged_state([10, 40, 20], 3, 64, 80, 16)
+    st = st.replace(cache=st.cache.replace(lengths=jnp.asarray([5, 30, 12], jnp.int32)),
+                    root=jnp.asarray([7, 8, 9], jnp.int32))
+    table = np.asarray(st.cache.table)
+    kept = pools(st)
+
+    moved = take_rows(st, [2, -1, 0, 1])  # a larger bucket: row 1 is new and empty
+    assert all(a is b for a, b in zip(jax.tree_util.tree_leaves(pools(moved)), jax.tree_util.tree_leaves(kept)))
+    np.testing.assert_array_equal(np.asarray(moved.cache.table), [table[2], [-1] * table.shape[1], table[0], table[1]])
+    np.testing.assert_array_equal(np.asarray(moved.draft_cache.table), np.asarray(moved.cache.table))
+    np.testing.assert_array_equal(np.asarray(moved.cache.lengths), [12, 0, 5, 30])
+    np.testing.assert_array_equal(np.asarray(moved.root)[[0, 2, 3]], [9, 7, 8])
+
+    newcomer = without_pools(eng.paged_state([16], 1, 64, 80, 16)).replace(root=jnp.asarray([42], jnp.int32))
+    newcomer = newcomer.replace(cache=newcomer.cache.replace(table=jnp.asarray([[11] + [-1] * (table.shape[1] - 1)],
+                                                                              jnp.int32)))
+    placed = insert_paged_rows(moved, newcomer, jnp.asarray([1]))
+    assert np.asarray(placed.cache.table)[1, 0] == 11 and int(np.asarray(placed.root)[1]) == 42
+    assert all(a is b for a, b in zip(jax.tree_util.tree_leaves(pools(placed)), jax.tree_util.tree_leaves(kept)))
+
+    cleared = clear_paged_rows(placed, [3])
+    assert (np.asarray(cleared.cache.table)[3] == -1).all() and (np.asarray(cleared.draft_cache.table)[3] == -1).all()
+    assert int(np.asarray(cleared.cache.lengths)[3]) == 0 and int(np.asarray(cleared.draft_cache.lengths)[3]) == 0
+    np.testing.assert_array_equal(np.asarray(cleared.cache.table)[:3], np.asarray(placed.cache.table)[:3])
+    with pytest.raises(ValueError, match="use insert_paged_rows for paged ones"):
+        insert_rows(st, st, jnp.asarray([0, 1, 2]))

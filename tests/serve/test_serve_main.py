@@ -65,16 +65,24 @@ def test_settings_the_model_cannot_serve_are_errors():
         ServeConfig(kv_cache_tokens=-1)
 
 
-def test_the_kv_budget_defaults_to_eight_full_rows_and_shapes_the_batch_buckets():
+def test_the_kv_budget_defaults_to_eight_full_rows_of_blocks_or_shapes_contiguous_batch_buckets():
     tiny = tiny_target()
-    lengths = lambda **kw: {b: n for b, (n, _) in create_app(tiny, None, ServeConfig(
-        max_model_len=200, speculation="off", warmup=False, **kw)).state.api.scheduler.lengths.items()}
-    # 8 rows of 256 slots: 256 a row up to bucket 8, 128 at 16, 128 (the least, room for 64 tokens) at 32.
-    assert lengths() == {1: 200, 2: 200, 4: 200, 8: 200, 16: 127, 32: 127}
-    assert lengths(kv_cache_tokens=0) == {b: 200 for b in (1, 2, 4, 8, 16, 32)}  # no budget
-    assert lengths(kv_cache_tokens=4096, max_batch=16) == {1: 200, 2: 200, 4: 200, 8: 200, 16: 200}
-    cfg = build_config(build_parser().parse_args(["--kv-cache-tokens", "1024"]))
-    assert cfg.kv_cache_tokens == 1024
+    sched = lambda **kw: create_app(tiny, None, ServeConfig(  # noqa: E731
+        max_model_len=200, speculation="off", warmup=False, **kw)).state.api.scheduler
+    lengths = lambda **kw: {b: n for b, (n, _) in sched(**kw).lengths.items()}  # noqa: E731
+    # Paged (the default): 8 rows of 256 slots in blocks of 16, and any bucket's rows may be 200 long.
+    assert sched().pages == (128, 16) and lengths() == {b: 200 for b in (1, 2, 4, 8, 16, 32)}
+    assert sched(kv_cache_tokens=0).pages == (32 * 16, 16)  # no budget: max_batch full rows
+    assert sched(block_size=32, kv_cache_tokens=1000).pages == (31, 32)
+    # Contiguous: 256 a row up to bucket 8, 128 at 16, 128 (the least, room for 64 tokens) at 32.
+    assert lengths(block_size=0) == {1: 200, 2: 200, 4: 200, 8: 200, 16: 127, 32: 127}
+    assert sched(block_size=0).pages is None
+    assert lengths(block_size=0, kv_cache_tokens=0) == {b: 200 for b in (1, 2, 4, 8, 16, 32)}  # no budget
+    assert lengths(block_size=0, kv_cache_tokens=4096, max_batch=16) == {1: 200, 2: 200, 4: 200, 8: 200, 16: 200}
+    cfg = build_config(build_parser().parse_args(["--kv-cache-tokens", "1024", "--block-size", "0"]))
+    assert cfg.kv_cache_tokens == 1024 and cfg.block_size == 0
+    with pytest.raises(ConfigError, match="block_size must be >= 0"):
+        ServeConfig(block_size=-1)
 
 
 @pytest.mark.slow
