@@ -5,7 +5,8 @@
 The budget is `--kv-rows` requests of max_model_len (their KV slots: 8 x 2048 by default). Three
 servers (SmolLM2-135M-Instruct, plain decoding, `--no-warmup`: programs compile when first needed), one
 after the other, each getting `--requests` concurrent completions of a `--prompt-tokens`-token prompt and
-`--max-tokens` tokens (EOS ignored):
+`--max-tokens` tokens (EOS ignored; prompts join four to a prefill, so admission outpaces completion and
+what limits the running requests is the KV cache):
 * contiguous: every row holds max_model_len slots, so the budget is `--kv-rows` rows (`--block-size 0
   --kv-cache-tokens 0 --max-batch KV_ROWS`);
 * contiguous, per-bucket budget: batch buckets of b rows hold budget / b slots a row (`--block-size 0
@@ -67,7 +68,7 @@ def run_server(name: str, flags: list[str], args, log_dir: Path) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "eagle_jax.serve", "--port", str(port), "--speculation", "off", "--no-warmup",
-            "--max-model-len", str(args.max_model_len), *flags]
+            "--max-model-len", str(args.max_model_len), "--prefill-chunk", str(args.prefill_chunk), *flags]
     log = open(log_dir / f"{name.replace(' ', '_').replace(',', '')}.log", "w")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
@@ -117,10 +118,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--kv-rows", type=int, default=8, help="the budget, in requests of max_model_len")
-    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--prompt-tokens", type=int, default=100)
-    ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-batch", type=int, default=128)
+    ap.add_argument("--prefill-chunk", type=int, default=128,
+                    help="prompts up to this long join four to a prefill (longer ones alone, in chunks)")
     ap.add_argument("--json", default="results/serve_kv_capacity.json")
     args = ap.parse_args(argv)
     budget = args.kv_rows * cache_length(args.max_model_len, [])

@@ -16,7 +16,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from eagle_jax.rows import insert_paged_rows, insert_rows, next_pow2, pad_prompts, pools, with_pools
+from eagle_jax.rows import clear_paged_rows, insert_paged_rows, insert_rows, next_pow2, pad_prompts, pools, with_pools
 from eagle_jax.serve.requests import Request, sampling_params
 from eagle_jax.steps import DecodeState
 from eagle_jax.stream import TokenStream
@@ -157,11 +157,15 @@ class Admission:
         log.exception("prefill failed")
         with self._lock:
             self._n_running -= len(newcomers)
+        placed = []
         for r in newcomers:
             if r.slot is not None and r.slot < len(self.slots) and self.slots[r.slot] is r:
                 self.slots[r.slot] = None
+                placed.append(r.slot)
             self._fail(r, f"prefill failed: {e}")
         self._recover_if_broken()
+        if placed and self.blocks is not None and self.state is not None:  # their blocks are free again
+            self.state = clear_paged_rows(self.state, placed)
 
     def _count_prefill(self, newcomers, seconds: float) -> None:
         if self.metrics is not None:
