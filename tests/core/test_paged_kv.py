@@ -214,3 +214,13 @@ def test_paged_row_surgery_moves_tables_and_rows_and_leaves_the_pools_in_place(o
     np.testing.assert_array_equal(np.asarray(cleared.cache.table)[:3], np.asarray(placed.cache.table)[:3])
     with pytest.raises(ValueError, match="use insert_paged_rows for paged ones"):
         insert_rows(st, st, jnp.asarray([0, 1, 2]))
+
+
+@pytest.mark.parametrize("batch", [1, 2, 5])
+def test_speculation_on_a_paged_cache_equals_plain_decoding_at_every_batch_size(oracle, batch):
+    tgt, head = oracle
+    prompts = MORE_PROMPTS[-batch:]
+    plain = eagle_jax.generate(tgt, prompts, max_new_tokens=30, block_size=8)
+    spec = eagle_jax.generate(tgt, prompts, draft=head, tree=TreeConfig(3, 2, 7), max_new_tokens=30, block_size=8)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats["tau"] > 1.5
