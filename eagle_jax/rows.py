@@ -105,14 +105,22 @@ def insert_paged_rows(s: DecodeState, new: DecodeState, rows) -> DecodeState:
 
 def clear_paged_rows(s: DecodeState, rows) -> DecodeState:
     """Rows `rows` of a paged state hold nothing again: no blocks (their table rows -1) and length 0, so
-    a step neither writes into blocks handed to another request nor reads past the rows that remain."""
-    rows = jnp.asarray(rows, jnp.int32)
+    a step neither writes into blocks handed to another request nor reads past the rows that remain.
+    (One small program per batch shape, whichever rows: they go in as a mask.)"""
+    keep = np.ones(s.root.shape[0], bool)
+    keep[np.asarray(rows, np.int64)] = False
+    draft = s.draft_cache.paged
+    table, lengths, dtable, dlengths, lag_n = _cleared(
+        s.cache.table, s.cache.lengths, s.draft_cache.table if draft else s.cache.table, s.draft_cache.lengths,
+        s.lag_n, jnp.asarray(keep))
+    return s.replace(cache=s.cache.replace(table=table, lengths=lengths), lag_n=lag_n,
+                     draft_cache=s.draft_cache.replace(table=dtable, lengths=dlengths) if draft else s.draft_cache)
 
-    def clear(c):
-        return c.replace(table=c.table.at[rows].set(-1), lengths=c.lengths.at[rows].set(0))
 
-    return s.replace(cache=clear(s.cache), draft_cache=clear(s.draft_cache) if s.draft_cache.paged else s.draft_cache,
-                     lag_n=s.lag_n.at[rows].set(0))
+@jax.jit
+def _cleared(table, lengths, dtable, dlengths, lag_n, keep):
+    gone = lambda a, fill: jnp.where(keep.reshape((-1,) + (1,) * (a.ndim - 1)), a, fill)  # noqa: E731
+    return gone(table, -1), gone(lengths, 0), gone(dtable, -1), gone(dlengths, 0), gone(lag_n, 0)
 
 
 def _resize_axis1(a, size: int | None):

@@ -20,6 +20,12 @@ def oracle():
     return oracle_pair()
 
 
+@pytest.fixture(scope="module")
+def plain40(oracle):
+    """Plain decoding of MORE_PROMPTS on the contiguous cache, 40 tokens each."""
+    return eagle_jax.generate(oracle[0], MORE_PROMPTS, max_new_tokens=40)
+
+
 def test_block_pool_hands_out_each_block_once_and_refuses_what_it_does_not_have():
     pool = BlockPool(6, 4)
     assert blocks_for(0, 4) == 0 and blocks_for(1, 4) == 1 and blocks_for(8, 4) == 2 and blocks_for(9, 4) == 3
@@ -151,9 +157,9 @@ def test_steps_on_scattered_blocks_with_poisoned_free_blocks_equal_the_contiguou
 
 
 @pytest.mark.parametrize("tree", [None, TreeConfig(3, 2, 7), TreeConfig(4, 4, 16), "auto"], ids=str)
-def test_generate_on_a_paged_cache_equals_plain_decoding(oracle, tree):
+def test_generate_on_a_paged_cache_equals_plain_decoding(oracle, plain40, tree):
     tgt, head = oracle
-    plain = eagle_jax.generate(tgt, MORE_PROMPTS, max_new_tokens=40)
+    plain = plain40
     draft = None if tree is None else head
     paged = eagle_jax.generate(tgt, MORE_PROMPTS, draft=draft, tree=tree, max_new_tokens=40, block_size=8,
                                candidates=[TreeConfig(3, 2, 7)] if tree == "auto" else None)

@@ -20,6 +20,12 @@ def pair():
     return oracle_pair()
 
 
+@pytest.fixture(scope="module")
+def reference(pair):
+    """The contiguous server's tokens and end reasons for every request (plain decoding)."""
+    return serve(pair, speculative=False, block_size=0)[:2]
+
+
 def serve(pair, *, speculative: bool, block_size: int, kv_cache_tokens: int = 0, max_batch: int = 4,
           cancel: int | None = None):
     """Runs every prompt of MORE_PROMPTS (max_tokens 20 + 3 i, EOS ignored) through a scheduler; returns
@@ -63,26 +69,26 @@ def serve(pair, *, speculative: bool, block_size: int, kv_cache_tokens: int = 0,
 
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "spec"])
-def test_a_paged_server_gives_the_contiguous_server_s_tokens_and_gets_every_block_back(pair, speculative):
-    ref, ref_ends, *_ = serve(pair, speculative=False, block_size=0)
+def test_a_paged_server_gives_the_contiguous_server_s_tokens_and_gets_every_block_back(pair, reference, speculative):
+    ref, ref_ends = reference
     got, ends, running, used, end = serve(pair, speculative=speculative, block_size=8)
     assert got == ref and ends == ref_ends == ["length"] * len(MORE_PROMPTS)
     assert running == 4 and used > 0  # prompts of up to 19 tokens: two of them were prefilled in chunks
     assert end["kv_blocks_used"] == 0 and end["kv_blocks_free"] > 0 and end["kv_block_size"] == 8
 
 
-def test_requests_wait_for_blocks_when_the_pool_runs_short(pair):
+def test_requests_wait_for_blocks_when_the_pool_runs_short(pair, reference):
     """A pool of 18 blocks of 8 (the least: one request of max_model_len 96 with the tree's slack and the
     draft's scratch) holds two of these requests (7 to 10 blocks each), not four: the others wait, and
     still get the same tokens."""
-    ref, *_ = serve(pair, speculative=False, block_size=0)
+    ref = reference[0]
     got, ends, running, used, end = serve(pair, speculative=True, block_size=8, kv_cache_tokens=18 * 8)
     assert got == ref and ends == ["length"] * len(MORE_PROMPTS)
     assert used <= 18 and running == 2 and end["kv_blocks_used"] == 0 and end["kv_blocks_free"] == 18
 
 
-def test_a_cancelled_request_never_holds_blocks_and_the_others_finish(pair):
-    ref, *_ = serve(pair, speculative=False, block_size=0)
+def test_a_cancelled_request_never_holds_blocks_and_the_others_finish(pair, reference):
+    ref = reference[0]
     got, ends, _, _, end = serve(pair, speculative=True, block_size=8, cancel=2)
     assert ends[2] == "cancelled" and got[2] == []
     assert [t for i, t in enumerate(got) if i != 2] == [t for i, t in enumerate(ref) if i != 2]
