@@ -21,6 +21,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import gather_blocks
+
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "lengths", "table"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
@@ -100,13 +102,7 @@ def read_rows(layer_cache, table=None, window: int | None = None):
     not hold read as zeros), so the cost follows the window, not the pool."""
     if table is None:
         return layer_cache if window is None else layer_cache[:, :window]
-    p, bs = layer_cache.shape[:2]
-    nb = table.shape[1] if window is None else -(-window // bs)
-    blocks = table[:, :nb]
-    blocks = jnp.where(blocks >= 0, blocks, p)
-    rows = jnp.take(layer_cache, blocks, axis=0, mode="fill", fill_value=0)  # [B, nb, block, K, D]
-    rows = rows.reshape((blocks.shape[0], blocks.shape[1] * bs) + layer_cache.shape[2:])
-    return rows if window is None else rows[:, :window]
+    return gather_blocks(layer_cache, table, window)
 
 
 def advance(cache: KVCache, counts) -> KVCache:

@@ -222,12 +222,9 @@ def paged_tree_attention_gpu(q, k_pool, v_pool, block_table, lengths, tree_mask,
     bs = _check(d, interpret, block_sizes)
     block_q, rows_padded, splits, per_split, block_tree, tree_steps, m_padded = _tiles(n, g, m, s, b * k, bs)
 
-    lengths = layout.as_lengths(lengths)
-    table = block_table[:, :entries].astype(jnp.int32)
-    q_rows = layout.fold_queries(q, k, rows_padded)  # [B, K, R', D]
-    k_tree = layout.paged_tree_keys(k_pool, table, lengths, m, m_padded, s)  # [B, K, M', D]
-    v_tree = layout.paged_tree_keys(v_pool, table, lengths, m, m_padded, s)
-    mask = layout.row_mask(tree_mask, lengths, s, g, rows_padded, m_padded)  # [B, R', M']
+    lengths, table, q_rows, k_tree, v_tree, mask = layout.paged_operands(
+        q, k_pool, v_pool, block_table, lengths, tree_mask, entries=entries, num_slots=s, rows_padded=rows_padded,
+        m_padded=m_padded)
     flat = (k_pool.shape[0] * block, k, d)  # free: a pool block's slots are contiguous
     acc, m_run, l_run = _attention_call(
         jnp.minimum(lengths, s), table, q_rows, k_pool.reshape(flat), v_pool.reshape(flat), k_tree, v_tree, mask,

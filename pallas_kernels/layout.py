@@ -151,3 +151,19 @@ def paged_tree_keys(pool, table, lengths, m: int, m_padded: int, num_slots: int)
     rows = jnp.take(pool.reshape((p * block,) + pool.shape[2:]), flat, axis=0)  # [B, M', K, D]
     rows = jnp.where(valid[:, :, None, None], rows, jnp.zeros((), pool.dtype))
     return rows.transpose(0, 2, 1, 3)
+
+
+def paged_operands(q, k_pool, v_pool, block_table, lengths, tree_mask, *, entries: int, num_slots: int,
+                   rows_padded: int, m_padded: int):
+    """What both paged kernels take besides the pools: (lengths, the table's first `entries` entries,
+    queries folded by KV head [B, K, R', D], the tree's keys and values [B, K, M', D] read through the
+    table, and the row mask [B, R', M'])."""
+    k, m = k_pool.shape[2], tree_mask.shape[-1]
+    g = q.shape[2] // k
+    lengths = as_lengths(lengths)
+    table = block_table[:, :entries].astype(jnp.int32)
+    return (lengths, table, fold_queries(q, k, rows_padded),
+            paged_tree_keys(k_pool, table, lengths, m, m_padded, num_slots),
+            paged_tree_keys(v_pool, table, lengths, m, m_padded, num_slots),
+            row_mask(tree_mask, lengths, num_slots, g, rows_padded, m_padded))
+

@@ -261,12 +261,9 @@ def paged_tree_attention_tpu(q, k_pool, v_pool, block_table, lengths, tree_mask,
     prefix_steps = layout.cdiv(entries, sub_blocks)
     width = prefix_steps * sub_blocks
 
-    lengths = layout.as_lengths(lengths)
-    table = block_table[:, :entries].astype(jnp.int32)
-    q_rows = layout.fold_queries(q, k, rows_padded)  # [B, K, R', D]
-    k_tree = layout.paged_tree_keys(k_pool, table, lengths, m, m_padded, s)  # [B, K, M', D]
-    v_tree = layout.paged_tree_keys(v_pool, table, lengths, m, m_padded, s)
-    mask = layout.row_mask(tree_mask, lengths, s, g, rows_padded, m_padded)  # [B, R', M']
+    lengths, table, q_rows, k_tree, v_tree, mask = layout.paged_operands(
+        q, k_pool, v_pool, block_table, lengths, tree_mask, entries=entries, num_slots=s, rows_padded=rows_padded,
+        m_padded=m_padded)
     prefix = jnp.minimum(lengths, s)  # no slot past the window is read, whatever the lengths say
     table = jnp.pad(table, ((0, 0), (0, width - entries)), constant_values=-1)
     steps = _paged_steps(table, prefix, block, sub_blocks)

@@ -16,13 +16,11 @@ become the batch's again (the batch's were donated to it).
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 
-from eagle_jax.kv_cache import KVCache
 from eagle_jax.paging import BlockPool, block_table, blocks_for
 from eagle_jax.rows import pools, with_pools, without_pools
-from eagle_jax.steps import DecodeState, draft_parts
+from eagle_jax.steps import DecodeState, empty_state
 
 
 class PagedBlocks:
@@ -68,10 +66,5 @@ class PagedBlocks:
         return with_pools(self._rows(table), pools(main))
 
     def _rows(self, table: np.ndarray) -> DecodeState:
-        """The per-row part of an empty paged state with this table (no pools allocated)."""
-        b = table.shape[0]
-        cfg = self.target.cfg
-        empty = KVCache.create_paged(cfg.num_layers, 0, self.block_size, table, cfg.num_kv_heads, cfg.head_dim,
-                                     self.target.model.dtype)
-        parts = draft_parts(b) if self.head is None else draft_parts(b, self.head, 0, pages=(0, self.block_size, table))
-        return without_pools(DecodeState(empty, root=jnp.zeros((b,), jnp.int32), **parts))
+        """The per-row part of an empty paged state with this table (pools of no blocks: nothing allocated)."""
+        return without_pools(empty_state(self.target, self.head, table.shape[0], 0, 0, pages=(0, self.block_size, table)))
