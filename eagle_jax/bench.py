@@ -25,6 +25,7 @@ from pathlib import Path
 
 from eagle_jax.datasets import load_dataset
 from eagle_jax.harness import DEFAULT_CANDIDATES, candidate_trees
+from eagle_jax.sharding import add_mesh_args
 from eagle_jax.tree import TreeConfig, parse_tree
 
 
@@ -52,6 +53,7 @@ def candidate_arg(text: str) -> str:
     return text
 
 
+
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m eagle_jax.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,6 +78,7 @@ def build_parser():
     p.add_argument("--json", default="results/bench.json", help="output JSON path (default: %(default)s)")
     p.add_argument("--plot", default=None, help="write a PNG of speedup and tau (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_mesh_args(p)
     return p
 
 
@@ -173,6 +176,9 @@ def run_bench(target, draft, prompts, *, batch_size, temperature, max_new_tokens
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from eagle_jax import sharding
+
+    sharding.setup_from_args(args)
     import jax
 
     import eagle_jax
@@ -183,8 +189,12 @@ def main(argv=None) -> int:
             candidate_trees(args.candidates)  # only "off": no tree to choose
             if "auto" not in (args.tree or []):
                 raise ValueError("--candidates are the trees --tree auto chooses from: add auto to --tree")
+        if "auto" in (args.tree or []) and jax.process_count() > 1:
+            raise ValueError("--tree auto measures step costs in each process, which would choose apart: "
+                             "give fixed trees with several processes")
         data = {d: load_dataset(d)[: args.limit] for d in datasets}
-        target = eagle_jax.load_target(args.model)
+        target = eagle_jax.load_target(args.model, tensor_parallel=args.tensor_parallel,
+                                       data_parallel=args.data_parallel)
         draft = resolve_draft(args.draft, target)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -208,6 +218,8 @@ def main(argv=None) -> int:
                 results += [{"dataset": name, **r} for r in rs]
     if bar:
         bar.close()
+    if not sharding.is_leader():  # every process ran the same steps; process 0 reports
+        return 0
     print(f"\n{args.model} + draft {args.draft}, tree {' '.join(map(tree_label, trees))}, "
           f"{args.max_new_tokens} new tokens, {jax.default_backend()}")
     print(f"{'dataset':<12} {'batch':>5} {'temp':>5} {'tree':>7} {'plain tok/s':>12} {'spec tok/s':>11} "
@@ -223,6 +235,7 @@ def main(argv=None) -> int:
         "trees": [tree_label(t) for t in trees],
         "candidates": [t.name for t in candidate_trees(args.candidates)] if "auto" in trees else None,
         "max_new_tokens": args.max_new_tokens,
+        "mesh": sharding.mesh_shape(target.model.mesh),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
                     "backend": jax.default_backend()},
         "results": results,

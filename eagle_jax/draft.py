@@ -166,7 +166,8 @@ class DraftHead(nnx.Module):
         residual, attn_in = self.inputs(target, feats, tokens, fuse=fuse)
         q, k, v = self.qkv(attn_in, positions)
         attn, k_cache, v_cache = cached_attention(q, k, v, cache.k[0], cache.v[0], starts=cache.lengths + write_offset,
-                                                  lengths=cache.lengths, tree_mask=tree_mask, table=cache.table)
+                                                  lengths=cache.lengths, tree_mask=tree_mask, table=cache.table,
+                                                  mesh=getattr(target, "mesh", None), split_heads=False)
         return self.finish(residual, attn), cache.replace(k=(k_cache,), v=(v_cache,))
 
     # The layer in three pieces, so training can run the same math with its own attention pattern.

@@ -15,15 +15,15 @@ import dataclasses
 import time
 from typing import Any, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eagle_jax import harness, profiles, steps
-from eagle_jax.compiling import param_count, quick
+from eagle_jax import harness, profiles, sharding, steps
+from eagle_jax.compiling import param_count
 from eagle_jax.paging import BlockPool, block_table, blocks_for
-from eagle_jax.programs import ProgramStore, default_store_dir, fingerprint
+from eagle_jax.prepared import PreparedPrograms
+from eagle_jax.programs import ProgramStore
 from eagle_jax.rows import attention_window as window_bucket
 from eagle_jax.rows import batch_shapes, next_pow2, pad_prompts
 from eagle_jax.sampling import SamplingParams
@@ -62,14 +62,12 @@ def encode_prompts(tokenizer, prompts: Sequence, chat: bool) -> list[list[int]]:
     return out
 
 
-def _abstract(tree):
-    """The shapes and dtypes of a pytree of arrays (what a jitted function is compiled for)."""
-    return jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype), tree)
-
-
-class Engine:
+class Engine(PreparedPrograms):
     """A target (and optionally a draft head) split once, so repeated `generate` calls reuse compiled
-    steps; `tree="auto"` keeps its cost profiles and acceptance statistics from call to call."""
+    steps; `tree="auto"` keeps its cost profiles and acceptance statistics from call to call.
+
+    A target sharded over a mesh (`eagle_jax.sharding`) runs sharded: the head is replicated on the
+    mesh, and every state and per-row input is placed on the mesh's layout before a step sees it."""
 
     def __init__(self, target, head=None):
         if head is not None and (head.cfg.hidden_size != target.cfg.hidden_size
@@ -80,6 +78,9 @@ class Engine:
         self.target, self.head = target, head
         self.graphdef, self.state = nnx.split(target.model)
         self.head_graphdef, self.head_state = nnx.split(head) if head is not None else (None, None)
+        self.mesh = target.model.mesh
+        if self.mesh is not None and head is not None:
+            self.head_state = sharding.replicate(self.head_state, self.mesh)
         self.n_params = param_count(self.state, self.head_state)  # small steps compile unoptimised
         # Programs compiled (or loaded) ahead of time through a ProgramStore, by shapes and static
         # arguments; run_prefill / run_step call them directly (`use_store`).
@@ -97,24 +98,25 @@ class Engine:
         each prompt's token after this chunk (-1 where the chunk ends its prompt)."""
         b = tokens.shape[0]
         if prev is None:
-            cache = self.target.model.init_cache(b, cache_len)
-            dcache = self.head.init_cache(b, draft_len) if self.head is not None else None
+            cache = self.place(self.target.model.init_cache(b, cache_len))
+            dcache = self.place(self.head.init_cache(b, draft_len), heads=None) if self.head is not None else None
         else:
             cache, dcache = prev.cache, prev.draft_cache if self.head is not None else None
+        follow = np.full((b,), -1, np.int32) if follow is None else np.asarray(follow, np.int32)
+        tokens, prompt_lens, params, follow = self.place((jnp.asarray(tokens, jnp.int32),
+                                                          jnp.asarray(prompt_lens, jnp.int32), params, follow))
         prog = None if window is not None else self.programs.get(
             self.prefill_key(b, tokens.shape[1], cache.max_len, self._draft_len(dcache), sampling, pages_of(cache)))
         if prog is not None:
-            follow = jnp.full((b,), -1, jnp.int32) if follow is None else jnp.asarray(follow, jnp.int32)
-            return prog(self.state, self.head_state, jnp.asarray(tokens), jnp.asarray(prompt_lens), cache, dcache,
-                        params, follow)
-        return steps.prefill(self.graphdef, self.state, self.head_graphdef, self.head_state, jnp.asarray(tokens),
-                             jnp.asarray(prompt_lens), cache, dcache, params, window, sampling, self.n_params,
-                             None if follow is None else jnp.asarray(follow, jnp.int32))
+            return prog(self.state, self.head_state, tokens, prompt_lens, cache, dcache, params, jnp.asarray(follow))
+        return steps.prefill(self.graphdef, self.state, self.head_graphdef, self.head_state, tokens, prompt_lens, cache,
+                             dcache, params, window, sampling, self.n_params, jnp.asarray(follow))
 
     def run_step(self, s: steps.DecodeState, params, active, tree: TreeConfig | None, trace: bool = False,
                  window: int | None = None, sampling: bool = True):
         """One step (see `steps.step`); the head rides along with plain steps so its draft can catch up.
         sampling=False compiles the all-greedy program (only for batches whose rows are all greedy)."""
+        params, active = self.place((params, jnp.asarray(active)))
         if not trace and window is None and self.programs:
             prog = self.programs.get(self.step_key(s.root.shape[0], s.cache.max_len, self._draft_len(s.draft_cache),
                                                    tree, sampling, pages_of(s.cache)))
@@ -129,113 +131,16 @@ class Engine:
         table addresses max(cache_len, draft_len) slots)."""
         draft_len = draft_len if self.head is not None else 0
         if pages is None:
-            return steps.empty_state(self.target, self.head, batch, cache_len, draft_len)
+            return self.place(steps.empty_state(self.target, self.head, batch, cache_len, draft_len))
         table = np.full((batch, blocks_for(max(cache_len, draft_len), pages[1])), -1, np.int32)
-        return steps.empty_state(self.target, self.head, batch, cache_len, draft_len, pages=(*pages, table))
+        return self.place(steps.empty_state(self.target, self.head, batch, cache_len, draft_len, pages=(*pages, table)))
 
-    def compile_prefill(self, batch: int, tokens: int, cache_len: int, draft_len: int, sampling: bool = True,
-                        pages: tuple[int, int] | None = None) -> None:
-        """Compiles the prefill of `batch` prompts padded to `tokens` without running it (`steps.compile_prefill`)."""
-        b = batch
-        s = jax.eval_shape(lambda: self.empty_state(b, cache_len, draft_len, pages))
-
-        def build(fresh: bool):
-            return steps.compile_prefill(
-                self.graphdef, self.state, self.head_graphdef, self.head_state,
-                jax.ShapeDtypeStruct((b, tokens), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
-                s.cache, s.draft_cache if self.head is not None else None,
-                _abstract(SamplingParams.make(b)), None, sampling, self.n_params, fresh)
-
-        self._keep(self.prefill_key(b, tokens, cache_len, draft_len, sampling, pages), build)
-
-    def compile_step(self, batch: int, cache_len: int, draft_len: int, tree: TreeConfig | None,
-                     sampling: bool = True, pages: tuple[int, int] | None = None) -> None:
-        """Compiles one step of `tree` (None: plain) at these shapes without running it (`steps.compile_step`)."""
-        def build(fresh: bool):
-            s = jax.eval_shape(lambda: self.empty_state(batch, cache_len, draft_len, pages))
-            return steps.compile_step(self.graphdef, self.state, self.head_graphdef, self.head_state, s,
-                                      _abstract(SamplingParams.make(batch)),
-                                      jax.ShapeDtypeStruct((batch,), jnp.bool_), tree, None, sampling, self.n_params,
-                                      fresh)
-
-        self._keep(self.step_key(batch, cache_len, draft_len, tree, sampling, pages), build)
-
-    def _lengths(self, cache_len: int, draft_len: int, pages) -> tuple[int, int]:
-        """(cache, draft) lengths as a state of these shapes reports them (a paged state's table width)."""
-        draft_len = draft_len if self.head is not None else 0
-        if pages is None:
-            return cache_len, draft_len
-        width = blocks_for(max(cache_len, draft_len), pages[1]) * pages[1]
-        return width, width if self.head is not None else 0
-
-    def step_key(self, batch: int, cache_len: int, draft_len: int, tree: TreeConfig | None, sampling: bool = True,
-                 pages: tuple[int, int] | None = None) -> tuple:
-        """The key of a step program in `programs` (what `compile_step` keeps)."""
-        key = ("step", batch, *self._lengths(cache_len, draft_len, pages), tree_name(tree), sampling)
-        return key if pages is None else key + ("paged", *pages)
-
-    def prefill_key(self, batch: int, tokens: int, cache_len: int, draft_len: int, sampling: bool = True,
-                    pages: tuple[int, int] | None = None) -> tuple:
-        """The key of a prefill program in `programs` (what `compile_prefill` keeps)."""
-        key = ("prefill", batch, tokens, *self._lengths(cache_len, draft_len, pages), sampling)
-        return key if pages is None else key + ("paged", *pages)
-
-    def warm(self, key: tuple, limit: int) -> bool:
-        """Runs kept program `key` (as `programs`' keys: ("step", batch, cache_len, draft_len, tree name,
-        sampling) or ("prefill", batch, tokens, cache_len, draft_len, sampling), then ("paged", blocks,
-        block size) for paged caches) once on empty inputs, when those take at most `limit` bytes. XLA:CPU
-        builds part of a program on its first run (the pipelines of its library dot fusions: 0.2-0.4 s for
-        a SmolLM2 step, against 0.05-0.13 s a run after); warmed ahead, a served step never pays it. Rows
-        are inactive and the outputs dropped. Returns whether it ran."""
-        prog = self.programs.get(key)
-        if prog is None:
-            return False
-        pages = tuple(key[-2:]) if "paged" in key else None
-        base = key[:-3] if pages else key
-        b, sampling = base[1], base[-1]
-        cache_len, draft_len = (base[2], base[3]) if base[0] == "step" else (base[3], base[4])
-        abstract = jax.eval_shape(lambda: self.empty_state(b, cache_len, draft_len, pages))
-        size = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(abstract))
-        if size > limit:
-            return False
-        s = self.empty_state(b, cache_len, draft_len, pages)
-        params = SamplingParams.make(b, temperature=1.0 if sampling else 0.0)
-        if base[0] == "step":
-            out = prog(self.state, self.head_state, s, params, jnp.zeros((b,), bool))
-        else:
-            tokens = jnp.zeros((b, base[2]), jnp.int32)
-            out = prog(self.state, self.head_state, tokens, jnp.ones((b,), jnp.int32), s.cache,
-                       s.draft_cache if self.head is not None else None, params, jnp.full((b,), -1, jnp.int32))
-        jax.block_until_ready(out)
-        return True
-
-    def stored(self, key: tuple) -> bool:
-        """Whether the program store holds program `key` (`step_key`, `prefill_key`): compiling it would load it."""
-        return (self.store is not None and not quick(self.n_params * key[1], steps.QUICK_COMPILE_WORK)
-                and self.store.path(" ".join(map(str, key))).exists())
-
-    def drop(self, key: tuple) -> bool:
-        """Forgets program `key`, kept through the store (compiling it loads it again, from the store): its
-        memory is freed once a step running it returns. Returns whether one was kept."""
-        return self.programs.pop(key, None) is not None
-
-    # --- programs kept ahead of time --------------------------------------------------------------
-    def use_store(self, directory=None) -> ProgramStore:
-        """From now on `compile_step` / `compile_prefill` load their programs from a `ProgramStore` in
-        `directory` (default `programs.default_store_dir()`), or compile and write them there, and
-        `run_step` / `run_prefill` call them directly: a restart loads each program without tracing it."""
-        if self.store is None:
-            fp = fingerprint(self.state, self.head_state, configs=(self.target.cfg, getattr(self.head, "cfg", None)))
-            self.store = ProgramStore(directory or default_store_dir(), fp)
-        return self.store
-
-    def _keep(self, key: tuple, build) -> None:
-        # Programs compiled without LLVM optimisation (small models and batches, `steps.QUICK_COMPILE_WORK`)
-        # do not reload reliably on XLA:CPU (kernels missing at run time), and compile in a second anyway.
-        if self.store is None or quick(self.n_params * key[1], steps.QUICK_COMPILE_WORK):
-            build(False)  # compiled into jax's own caches: the next call of these shapes runs it
-        elif key not in self.programs:  # kept here alone (fresh), so dropping it frees it
-            self.programs[key] = self.store.load_or_build(" ".join(map(str, key)), lambda: build(True))
+    def place(self, tree, heads="target"):
+        """tree (a DecodeState, a KVCache, per-row inputs) on this engine's mesh layout
+        (`sharding.place`); unchanged on one device. heads=None: a KV cache whose heads are replicated
+        (the draft's)."""
+        kv_heads = self.target.cfg.num_kv_heads if heads == "target" else None
+        return sharding.place(tree, self.mesh, kv_heads)
 
     @staticmethod
     def _draft_len(draft_cache) -> int:
@@ -270,8 +175,8 @@ class Engine:
         per_row = [min(blocks_for(n, block_size), width) for n in needs]
         pool = BlockPool(max(sum(per_row), 1), block_size)
         table = block_table([pool.take(n) for n in per_row] + [[]] * (batch - len(needs)), width)
-        return steps.empty_state(self.target, self.head, batch, cache_len, draft_len,
-                                 pages=(pool.num_blocks, block_size, table))
+        return self.place(steps.empty_state(self.target, self.head, batch, cache_len, draft_len,
+                                            pages=(pool.num_blocks, block_size, table)))
 
     def generate(self, prompt_ids: list[list[int]], *, max_new_tokens: int, params: SamplingParams,
                  tree: TreeConfig | str | None = None, stop: Sequence[str] = (), on_token=None,
@@ -303,6 +208,10 @@ class Engine:
         slack = steps.tree_slack(trees) if self.head is not None else 0
         draft_len_extra = steps.draft_extra(trees)
         b, t, s_len = batch_shapes(self.target.cfg.max_position, prompt_ids, max_new_tokens, slack)
+        dp = sharding.mesh_shape(self.mesh)["data"]
+        b = -(-b // dp) * dp  # rows split evenly over the data axis
+        if block_size is not None and dp > 1:
+            raise ValueError("a paged KV cache (block_size) is shared by every row: it needs data_parallel 1")
         if cache_len is not None:
             s_len = max(s_len, next_pow2(cache_len, 128))
         tokens, prompt_lens = pad_prompts(prompt_ids, b, t)
@@ -404,6 +313,7 @@ class Engine:
             "accepted_per_step": counts,
             "accept_histogram": hist,  # hist[i] = row-steps that emitted i + 1 tokens
             "buckets": {"batch": b, "prompt": t, "cache": s_len},
+            "mesh": sharding.mesh_shape(self.mesh),
         }
         if auto:
             stats.update(tree="auto", choices=choices, profile=policy.profile.source)
@@ -447,6 +357,8 @@ def generate(
     cache_len: int | None = None,
     candidates=None,
     block_size: int | None = None,
+    tensor_parallel: int | None = None,
+    data_parallel: int | None = None,
 ) -> GenerationResult:
     """Generates continuations for a batch of prompts.
 
@@ -467,7 +379,12 @@ def generate(
     to float rounding. cache_len: a minimum KV cache length (see `Engine.generate`).
     block_size: a paged KV cache with blocks of this many slots, each row holding only what it needs
     (see `Engine.generate`); the same tokens as the contiguous cache.
+    tensor_parallel / data_parallel: run on a mesh of that many devices (`eagle_jax.sharding`; the target
+    is re-placed if it was loaded for another one); None keeps the target's layout.
     """
+    if tensor_parallel is not None or data_parallel is not None:
+        now = sharding.mesh_shape(target.model.mesh)
+        sharding.shard_target(target, tensor_parallel or now["model"], data_parallel or now["data"])
     if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
         prompts = [prompts]
     if not prompts:

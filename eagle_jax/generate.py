@@ -15,6 +15,7 @@ import sys
 import types
 
 from eagle_jax.bench import candidate_arg, tree_arg
+from eagle_jax.sharding import add_mesh_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the trees --tree auto chooses from, as DEPTH,TOPK,TOKENS (plain decoding is always one; "
                         "default: the harness's, see python -m eagle_jax.bench --help)")
     p.add_argument("--json", action="store_true", help="print one JSON object (texts, token ids, stats) instead of text")
+    add_mesh_args(p)
     return p
 
 
@@ -57,12 +59,16 @@ def main(argv=None) -> int:
     if args.candidates is not None and args.tree != "auto":
         print("error: --candidates are the trees --tree auto chooses from: pass --tree auto with them", file=sys.stderr)
         return 2
+    from eagle_jax import sharding
+
+    sharding.setup_from_args(args)
     import eagle_jax
     from eagle_jax.engine import generate
 
     try:
-        target = eagle_jax.load_target(args.model)
-    except eagle_jax.LoadError as e:
+        target = eagle_jax.load_target(args.model, tensor_parallel=args.tensor_parallel,
+                                       data_parallel=args.data_parallel)
+    except (eagle_jax.LoadError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from eagle_jax.loader import resolve_draft
@@ -98,6 +104,8 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if not sharding.is_leader():  # every process ran the same steps; process 0 reports
+        return 0
     if args.json:
         print(json.dumps({
             "model": target.name,

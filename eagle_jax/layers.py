@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from eagle_jax.config import rope_inv_freq
 from eagle_jax.kv_cache import read_rows, write_rows
@@ -76,7 +77,7 @@ def project_qkv(h, wq, wk, wv, *, num_heads: int, num_kv_heads: int, head_dim: i
 
 
 def cached_attention(q, k, v, k_cache, v_cache, *, starts, lengths, tree_mask, window: int | None = None,
-                     table=None):
+                     table=None, mesh=None, split_heads: bool = True):
     """Writes the new keys / values at each row's slots [starts, starts + T) and attends over the
     committed prefix [0, lengths) plus the scratch keys [lengths, lengths + M) that tree_mask [B,T,M]
     selects. Returns (attention output [B,T,Hq,D], k_cache, v_cache).
@@ -86,13 +87,56 @@ def cached_attention(q, k, v, k_cache, v_cache, *, starts, lengths, tree_mask, w
     rows' blocks only as far as the longest row reaches).
     window (static): attention reads only slots [0, window), so its cost follows the longest row
     instead of the cache's length; the caller guarantees lengths + M <= window for every row whose
-    output it keeps."""
+    output it keeps.
+
+    mesh: a ("data", "model") `jax.sharding.Mesh` (`eagle_jax.sharding`): the write and the attention run
+    per shard (`jax.shard_map`), rows over "data" and, with split_heads, q heads over "model" (kv heads
+    too where they divide the degree; otherwise every shard holds them all and reads the one its q
+    heads group with), so a Pallas kernel sees one shard's heads. split_heads=False: heads replicated
+    (the draft head's layer)."""
+    if mesh is not None:
+        return sharded_attention(q, k, v, k_cache, v_cache, starts=starts, lengths=lengths, tree_mask=tree_mask,
+                                 window=window, table=table, mesh=mesh, split_heads=split_heads)
     k_cache = write_rows(k_cache, k, starts, table)
     v_cache = write_rows(v_cache, v, starts, table)
     if table is not None:
         return paged_tree_attention(q, k_cache, v_cache, table, lengths, tree_mask, window=window), k_cache, v_cache
     k_seen, v_seen = read_rows(k_cache, None, window), read_rows(v_cache, None, window)
     return tree_attention(q, k_seen, v_seen, lengths, tree_mask), k_cache, v_cache
+
+
+def sharded_attention(q, k, v, k_cache, v_cache, *, starts, lengths, tree_mask, window, table, mesh,
+                      split_heads: bool):
+    """`cached_attention` under `jax.shard_map` over mesh (see there)."""
+    tp, hq, nk = mesh.shape["model"], q.shape[2], k.shape[2]
+    heads = "model" if split_heads and tp > 1 else None
+    kv = heads if nk % tp == 0 else None
+    if table is not None and mesh.shape["data"] > 1:
+        raise ValueError("a paged KV cache is shared by every row: it needs data_parallel 1 (use a contiguous cache)")
+    cache_spec = P(None, None, kv, None) if table is not None else P("data", None, kv, None)
+    rows = P("data")
+    in_specs = (P("data", None, heads, None), P("data", None, kv, None), P("data", None, kv, None), cache_spec,
+                cache_spec, rows, rows, P("data", None, None)) + ((P("data", None),) if table is not None else ())
+
+    def local(q, k, v, k_cache, v_cache, starts, lengths, tree_mask, *tables):
+        tbl = tables[0] if tables else None
+        if heads is None or kv is not None:
+            return cached_attention(q, k, v, k_cache, v_cache, starts=starts, lengths=lengths, tree_mask=tree_mask,
+                                    window=window, table=tbl)
+        # kv heads replicated (the degree is a multiple of them): this shard's q heads share one kv head.
+        k_cache = write_rows(k_cache, k, starts, tbl)
+        v_cache = write_rows(v_cache, v, starts, tbl)
+        head = jax.lax.axis_index("model") * q.shape[2] // (hq // nk)
+        k_one = jax.lax.dynamic_slice_in_dim(k_cache, head, 1, axis=2)
+        v_one = jax.lax.dynamic_slice_in_dim(v_cache, head, 1, axis=2)
+        if tbl is not None:
+            return paged_tree_attention(q, k_one, v_one, tbl, lengths, tree_mask, window=window), k_cache, v_cache
+        out = tree_attention(q, read_rows(k_one, None, window), read_rows(v_one, None, window), lengths, tree_mask)
+        return out, k_cache, v_cache
+
+    run = jax.shard_map(local, mesh=mesh, in_specs=in_specs,
+                        out_specs=(P("data", None, heads, None), cache_spec, cache_spec), check_vma=False)
+    return run(q, k, v, k_cache, v_cache, starts, lengths, tree_mask, *(() if table is None else (table,)))
 
 
 def layer_tail(residual, attn, wo, mlp_norm, w_gate, w_up, w_down, eps, bo=None):

@@ -448,11 +448,20 @@ def builtin_path(name: str) -> Path:
     raise LoadError(f"built-in model {name!r}: {filename} not found in package {package}")
 
 
-def load_target(name_or_path: str | os.PathLike, dtype=None, tokenizer: bool = True) -> Target:
+def load_target(name_or_path: str | os.PathLike, dtype=None, tokenizer: bool = True, tensor_parallel: int = 1,
+                data_parallel: int = 1) -> Target:
     """Loads a target: a built-in name, a Hugging Face directory, or a .gguf file.
 
-    dtype defaults to float32 on CPU and bfloat16 on accelerators.
+    dtype defaults to float32 on CPU and bfloat16 on accelerators. tensor_parallel / data_parallel: the
+    parameters are sharded over a mesh of that many devices (`eagle_jax.sharding.shard_target`).
     """
+    from eagle_jax.sharding import shard_target
+
+    target = _load(name_or_path, dtype, tokenizer)
+    return shard_target(target, tensor_parallel, data_parallel) if tensor_parallel * data_parallel > 1 else target
+
+
+def _load(name_or_path, dtype, tokenizer: bool) -> Target:
     import jax
 
     if dtype is None:

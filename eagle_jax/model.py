@@ -55,7 +55,7 @@ class Block(nnx.Module):
         self.w_down = w(F, H)
 
     def __call__(self, x, k_cache, v_cache, *, cfg: ModelConfig, positions, lengths, tree_mask, window=None,
-                 table=None):
+                 table=None, mesh=None):
         """x [B,T,H]; this layer's caches [B,S,K,D] (block pools with a paged cache's table).
         Returns (x, k_cache, v_cache)."""
         eps = cfg.rms_norm_eps
@@ -66,7 +66,7 @@ class Block(nnx.Module):
             biases=(self.bq[...], self.bk[...], self.bv[...]) if cfg.qkv_bias else None,
             qk_norms=(self.q_norm[...], self.k_norm[...]) if cfg.qk_norm else None)
         attn, k_cache, v_cache = cached_attention(q, k, v, k_cache, v_cache, starts=lengths, lengths=lengths,
-                                                  tree_mask=tree_mask, window=window, table=table)
+                                                  tree_mask=tree_mask, window=window, table=table, mesh=mesh)
         x = layer_tail(x, attn, self.wo[...], self.mlp_norm[...], self.w_gate[...], self.w_up[...],
                        self.w_down[...], eps, bo=self.bo[...] if cfg.o_bias else None)
         return x, k_cache, v_cache
@@ -77,6 +77,9 @@ class Transformer(nnx.Module):
         """rngs=None builds an abstract model (shapes only; see `layers.param_factories`)."""
         self.cfg = cfg
         self.dtype = dtype
+        # The ("data", "model") mesh the parameters are sharded over (`eagle_jax.sharding`); None: one device.
+        # Static (part of the graphdef), so steps compile for it.
+        self.mesh = None
         w, ones, _ = param_factories(rngs, dtype)
         self.embed = w(cfg.vocab_size, cfg.hidden_size)
         self.layers = nnx.List([Block(cfg, rngs=rngs, dtype=dtype) for _ in range(cfg.num_layers)])
@@ -126,7 +129,8 @@ class Transformer(nnx.Module):
         ks, vs = [], []
         for i, block in enumerate(self.layers):
             x, k_i, v_i = block(x, cache.k[i], cache.v[i], cfg=cfg, positions=positions,
-                                lengths=cache.lengths, tree_mask=tree_mask, window=window, table=cache.table)
+                                lengths=cache.lengths, tree_mask=tree_mask, window=window, table=cache.table,
+                                mesh=self.mesh)
             ks.append(k_i)
             vs.append(v_i)
             if i in capture_layers:

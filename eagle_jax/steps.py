@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from eagle_jax import sharding
 from eagle_jax.accept import accept
 from eagle_jax.compiling import jit_pair, param_count, quick
 from eagle_jax.kv_cache import KVCache, gather_rows
@@ -238,7 +239,7 @@ def _prefill(graphdef, state, head_graphdef, head_state, tokens, prompt_lens, ca
     root = sample(out.logits, params, start + prompt_lens, sampling)
     cache = out.cache.replace(lengths=start + prompt_lens)
     if head is None:
-        return DecodeState(cache, root=root, **draft_parts(b))
+        return _placed(target, DecodeState(cache, root=root, **draft_parts(b)))
     # Pair i = (feature_i, token_{i+1}); the last pair's next token is the prompt's next one, or the root.
     nxt = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
     last = jnp.where(follow >= 0, follow, root)
@@ -247,7 +248,13 @@ def _prefill(graphdef, state, head_graphdef, head_state, tokens, prompt_lens, ca
     root_hidden = jnp.take_along_axis(h, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
     parts = draft_parts(b, head, 0)
     parts.update(draft_cache=draft_cache.replace(lengths=draft_cache.lengths + prompt_lens), root_hidden=root_hidden)
-    return DecodeState(cache, root=root, **parts)
+    return _placed(target, DecodeState(cache, root=root, **parts))
+
+
+def _placed(target, s: DecodeState) -> DecodeState:
+    """s on the layout `sharding.state_shardings` gives (with a mesh), so the next step's inputs have the
+    layout every step is compiled for."""
+    return sharding.constrain(s, target.mesh, target.cfg.num_kv_heads)
 
 
 def plain_step(target, head, s: DecodeState, params: SamplingParams, active, window=None, sampling=True):
@@ -343,6 +350,8 @@ def _step(graphdef, state, head_graphdef, head_state, s: DecodeState, params: Sa
         new, emitted, count, info = tree_step(target, head, s, params, active, tree, window, sampling)
     else:
         new, emitted, count, info = plain_step(target, head, s, params, active, window, sampling)
+    new = _placed(target, new)
+    emitted, count, info = sharding.replicated((emitted, count, info), target.mesh)  # what the host reads
     return (new, emitted, count, info) if trace else (new, emitted, count)
 
 
@@ -358,7 +367,7 @@ def compile_prefill(graphdef, state, head_graphdef, head_state, tokens, prompt_l
     n = param_count(state, head_state) if n_params is None else n_params
     is_quick = quick(n * tokens.shape[0], QUICK_COMPILE_WORK, state)
     fn = _PREFILL.fresh(is_quick) if fresh else _PREFILL[is_quick]
-    follow = jax.ShapeDtypeStruct((tokens.shape[0],), jnp.int32)
+    follow = jax.ShapeDtypeStruct((tokens.shape[0],), jnp.int32, sharding=getattr(prompt_lens, "sharding", None))
     return fn.lower(graphdef, state, head_graphdef, head_state, tokens, prompt_lens, cache, draft_cache, params,
                     follow, window, sampling).compile()
 
