@@ -58,9 +58,9 @@ PROMPTS = [
 
 # --- tiny model for --smoke --------------------------------------------------------------------------
 
-def write_tiny_model(directory: Path, seed: int = 0) -> Path:
+def write_tiny_model(directory: Path, seed: int = 0, heads: int = 4, kv_heads: int = 2) -> Path:
     """A tiny random Llama as a Hugging Face directory (config.json, model.safetensors, a 97-token
-    character tokenizer with a chat template)."""
+    character tokenizer with a chat template); heads / kv_heads: attention heads of head size 48 / heads."""
     import numpy as np
     from safetensors.numpy import save_file
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -69,7 +69,7 @@ def write_tiny_model(directory: Path, seed: int = 0) -> Path:
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     chars = ["\n"] + [chr(c) for c in range(32, 127) if chr(c) not in "`~"]
     # 6 layers: an EAGLE-3 head (--draft random) needs distinct low / middle / high layers to tap.
-    vocab, hidden, inter, layers, heads, kv = len(specials) + len(chars), 48, 96, 6, 4, 2
+    vocab, hidden, inter, layers, kv = len(specials) + len(chars), 48, 96, 6, kv_heads
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps({
         "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": hidden,

@@ -101,6 +101,7 @@ class Engine(PreparedPrograms):
             cache = self.place(self.target.model.init_cache(b, cache_len))
             dcache = self.place(self.head.init_cache(b, draft_len), heads=None) if self.head is not None else None
         else:
+            prev = self.place(prev)
             cache, dcache = prev.cache, prev.draft_cache if self.head is not None else None
         follow = np.full((b,), -1, np.int32) if follow is None else np.asarray(follow, np.int32)
         tokens, prompt_lens, params, follow = self.place((jnp.asarray(tokens, jnp.int32),
@@ -116,7 +117,8 @@ class Engine(PreparedPrograms):
                  window: int | None = None, sampling: bool = True):
         """One step (see `steps.step`); the head rides along with plain steps so its draft can catch up.
         sampling=False compiles the all-greedy program (only for batches whose rows are all greedy)."""
-        params, active = self.place((params, jnp.asarray(active)))
+        # (on a mesh, row surgery between steps may leave another layout: back to the one steps compile for)
+        s, params, active = self.place((s, params, jnp.asarray(active)))
         if not trace and window is None and self.programs:
             prog = self.programs.get(self.step_key(s.root.shape[0], s.cache.max_len, self._draft_len(s.draft_cache),
                                                    tree, sampling, pages_of(s.cache)))

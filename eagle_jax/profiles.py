@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eagle_jax import steps
+from eagle_jax import sharding, steps
 from eagle_jax.compiling import param_count
 from eagle_jax.sampling import SamplingParams
 from eagle_jax.tree import TreeConfig, tree_name
@@ -116,7 +116,7 @@ def device_kind() -> str:
 
 
 # The modules whose code makes up a step: a change to any of them changes what a step costs.
-STEP_MODULES = ("steps", "layers", "accept", "sampling", "tree", "kv_cache", "model", "draft")
+STEP_MODULES = ("steps", "layers", "accept", "sampling", "tree", "kv_cache", "model", "draft", "sharding")
 
 
 def step_code_hash() -> str:
@@ -146,6 +146,9 @@ def profile_key(target, head, buckets: Sequence[int], candidates: Sequence[str],
         ident["programs"] = "greedy"  # the all-greedy steps (the general ones keep their existing keys)
     if pages is not None:
         ident["pages"] = [int(p) for p in pages]  # paged caches: (block size, pool slots)
+    mesh = sharding.mesh_shape(target.model.mesh)
+    if mesh != sharding.mesh_shape(None):  # a sharded target's steps cost what its mesh shape makes them
+        ident["mesh"] = mesh
     digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", target.name)[:40]
     return f"{slug}-{digest}"
@@ -174,12 +177,18 @@ def stepper(target, head, candidates, batch: int, cache_len: int, draft_len: int
     active = jnp.ones((batch,), bool)
     state = steps.empty_state(target, head, batch, cache_len, draft_len)
     n_params = param_count(st, hs)
+    mesh, kv_heads = target.model.mesh, target.cfg.num_kv_heads  # a sharded target: inputs as the engine places them
+    place = lambda x: sharding.place(x, mesh, kv_heads)  # noqa: E731
+    if mesh is not None:
+        hs = sharding.replicate(hs, mesh) if hs is not None else None
+        kinds, active, state = place(kinds), place(active), place(state)
 
     def run(s, tree, sampled=False):
         # Back to `context` committed tokens each time (separate arrays: both caches are donated).
         s = s.replace(cache=s.cache.replace(lengths=jnp.full((batch,), context, jnp.int32)),
                       draft_cache=s.draft_cache.replace(lengths=jnp.full((batch,), context, jnp.int32)),
                       lag_n=jnp.zeros((batch,), jnp.int32))
+        s = place(s)
         # As Engine.run_step calls it (the same arguments, positionally: the same compiled program).
         if sampled and not sampling:
             raise ValueError("the all-greedy programs cannot run sampled rows")

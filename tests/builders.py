@@ -119,7 +119,7 @@ def write_profile(directory, tgt, head, b, s_len, extra, seconds, candidates=Non
         (directory / f"{key}.json").write_text(json.dumps(prof.to_json()))
 
 
-def write_tiny_chat_model(directory):
+def write_tiny_chat_model(directory, **shape):
     """A tiny random Llama with a character tokenizer and a chat template, as a Hugging Face directory:
     what `benchmarks/serve_load.py --smoke` serves. CLI tests whose point is the command, not the
     real target's numbers, run on it (a SmolLM2 process compiles for minutes on a fresh cache)."""
@@ -130,7 +130,7 @@ def write_tiny_chat_model(directory):
     spec = importlib.util.spec_from_file_location("serve_load", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.write_tiny_model(Path(directory))
+    return module.write_tiny_model(Path(directory), **shape)  # shape: heads=, kv_heads=
 
 
 # --- transformers models and GGUF files --------------------------------------------------------------------

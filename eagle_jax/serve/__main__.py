@@ -70,6 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
                               "(default: ~/.cache/eagle_jax/xla)")
     a("--log-level", choices=["debug", "info", "warning", "error"], help=f"(default: {d.log_level})")
     a("--json", action="store_true", help="print one JSON line with the address and settings once serving")
+    a("--tensor-parallel", type=int, metavar="N", help="shard the target over N devices: attention heads, MLP width, "
+                                                        f"vocabulary and KV cache (default: {d.tensor_parallel})")
+    a("--data-parallel", type=int, metavar="M", help="split batch rows over M groups of --tensor-parallel devices "
+                                                      f"(needs --block-size 0; default: {d.data_parallel})")
+    a("--distributed", action="store_true", default=None,
+      help="join the other processes with jax.distributed.initialize() (coordinator from JAX_COORDINATOR_ADDRESS, "
+           "JAX_NUM_PROCESSES, JAX_PROCESS_ID, or the platform's); process 0 serves HTTP and schedules, every "
+           "process runs the same steps on its shards")
     return p
 
 
@@ -103,6 +111,10 @@ def main(argv=None) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("eagle_jax.serve")
 
+    from eagle_jax import sharding
+
+    if config.distributed or sharding.distributed_requested():
+        sharding.initialize()  # before anything touches JAX's devices
     import jax
 
     from eagle_jax.serve.memory import map_large_blocks
@@ -125,22 +137,32 @@ def main(argv=None) -> int:
     from eagle_jax.loader import resolve_draft
     from eagle_jax.serve.app import create_app
 
+    leader = sharding.is_leader()
     try:
-        sock = _socket(config.host, config.port)
+        sock = _socket(config.host, config.port) if leader else None
     except OSError as e:
         print(f"error: cannot listen on {config.host}:{config.port}: {e}", file=sys.stderr)
         return 2
     try:
         t0 = time.perf_counter()
-        target = eagle_jax.load_target(config.model)
+        target = eagle_jax.load_target(config.model, tensor_parallel=config.tensor_parallel,
+                                       data_parallel=config.data_parallel)
         mode, _ = config.speculation_mode()
         head = None if mode == "off" else resolve_draft(config.draft, target)
+
         log.info("loaded %s%s in %.1f s", target.name, "" if head is None else f" + {head.cfg.kind} head",
                  time.perf_counter() - t0)
         app = create_app(target, head, config)
     except (ValueError, FileNotFoundError) as e:  # LoadError, DraftLoadError, ConfigError are ValueErrors
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if not leader:  # the same scheduler loop, kept in step with process 0's (`serve.replica`), until it stops
+        log.info("process %d of %d: serving with process 0", jax.process_index(), jax.process_count())
+        scheduler = app.state.api.scheduler
+        scheduler.start()
+        scheduler.thread.join()
+        scheduler.replica.close()
+        return 1 if scheduler.failure is not None else 0
     host, port = sock.getsockname()[:2]
     server = uvicorn.Server(uvicorn.Config(app, log_level=config.log_level, access_log=config.log_level == "debug",
                                            timeout_graceful_shutdown=5))

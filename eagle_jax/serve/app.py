@@ -21,10 +21,13 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from eagle_jax import harness, profiles
+import jax
+
+from eagle_jax import harness, profiles, sharding
 from eagle_jax.serve.api import Api
 from eagle_jax.serve.config import ConfigError, ServeConfig
 from eagle_jax.serve.metrics import CompileCounter, Metrics
+from eagle_jax.serve.replica import Channel
 from eagle_jax.serve.requests import SchedulerConfig, bucket_lengths, cache_length
 from eagle_jax.serve.scheduler import Scheduler
 from eagle_jax.tree import tree_name
@@ -174,8 +177,14 @@ def create_app(target, head=None, config=None, *, profile=None, metrics: Metrics
     config = config or ServeConfig()
     metrics = metrics or Metrics()
     max_model_len = config.model_len(target.cfg.max_position)
+    buckets, prefill_batches = tuple(config.batch_buckets), tuple(config.prefill_batches)
+    dp = sharding.mesh_shape(target.model.mesh)["data"]
+    if dp > 1:  # every batch (and prefill batch) splits evenly over the data axis
+        every = buckets or SchedulerConfig(max_batch=config.max_batch, max_model_len=max_model_len).buckets()
+        buckets = tuple(b for b in every if b % dp == 0)
+        prefill_batches = tuple(sorted({-(-p // dp) * dp for p in prefill_batches}))
     sched_cfg = SchedulerConfig(max_batch=config.max_batch, max_model_len=max_model_len,
-                                batch_buckets=tuple(config.batch_buckets), prefill_batches=tuple(config.prefill_batches),
+                                batch_buckets=buckets, prefill_batches=prefill_batches,
                                 prefill_tokens=config.prefill_tokens, prefill_chunk=config.prefill_chunk,
                                 max_queue=config.max_queue, kv_cache_tokens=kv_cache_tokens(config, max_model_len),
                                 resident_tree_buckets=config.resident_tree_buckets, block_size=config.block_size)
@@ -188,7 +197,9 @@ def create_app(target, head=None, config=None, *, profile=None, metrics: Metrics
     else:
         log.info("KV cache: %d slots shared; longest request (prompt + max_tokens) a row holds, by batch bucket: %s",
                  sched_cfg.kv_cache_tokens, ", ".join(f"{b}: {n}" for b, (n, _) in scheduler.lengths.items()))
-    if config.warmup:  # compiled in the background once the app starts; served meanwhile
+    if jax.process_count() > 1:  # one loop per process, in step (no background preparation: see serve.replica)
+        scheduler.replica = Channel()
+    elif config.warmup:  # compiled in the background once the app starts; served meanwhile
         if config.compile_cache:  # a restart loads the prepared programs without tracing them
             scheduler.engine.use_store(os.path.join(config.compile_cache, "programs"))
         scheduler.prepare_in_background(config.warmup_prompt_len)

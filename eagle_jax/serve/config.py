@@ -51,6 +51,23 @@ class ServeConfig:
     warmup_prompt_len: int | None = None  # prefills compiled ahead for prompts up to this long (default: all)
     compile_cache: str | None = None  # persistent XLA compilation cache directory ("" = off)
     log_level: str = "info"
+    tensor_parallel: int = 1  # devices the target is sharded over (`eagle_jax.sharding`)
+    data_parallel: int = 1  # groups of tensor_parallel devices that batch rows are split over
+    distributed: bool = False  # join other processes (jax.distributed); process 0 serves HTTP
+
+    def mesh_problem(self) -> str | None:
+        """Why the parallel settings cannot serve together, or None."""
+        if self.tensor_parallel < 1 or self.data_parallel < 1:
+            return f"tensor_parallel and data_parallel must be >= 1, got {self.tensor_parallel}, {self.data_parallel}"
+        if self.data_parallel > 1 and self.block_size:
+            return ("data_parallel > 1 needs contiguous KV rows (block_size 0): a paged KV pool is shared by every "
+                    "row, so it cannot be split by rows")
+        if self.max_batch % self.data_parallel:
+            return f"max_batch {self.max_batch} must be a multiple of data_parallel {self.data_parallel}"
+        if self.distributed and self.speculation_mode()[0] == "auto":
+            return ("speculation 'auto' measures step costs in each process, which would choose apart: with "
+                    "distributed, use 'off' or 'fixed:D,K,N'")
+        return None
 
     def __post_init__(self):
         for name in ("max_batch", "max_model_len", "prefill_tokens", "profile_reps", "warmup_prompt_len"):
@@ -71,6 +88,8 @@ class ServeConfig:
         if any(b < 1 for b in self.batch_buckets) or any(b < 1 for b in self.prefill_batches) or not self.prefill_batches:
             raise ConfigError("batch_buckets and prefill_batches must be positive integers")
         self.speculation_mode()  # validates
+        if self.mesh_problem():
+            raise ConfigError(self.mesh_problem())
         for c in self.candidates:
             try:
                 parse_tree(c)

@@ -60,6 +60,21 @@ class Request:
         self.slot: int | None = None
         self.blocks: list[int] | None = None  # KV blocks it holds (a paged server: `serve.blocks`)
 
+    def spec(self) -> dict:
+        """What another process needs to run this request alike (`from_spec`): JSON-safe."""
+        return {"id": self.id, "prompt_ids": self.prompt_ids, "max_tokens": self.max_tokens,
+                "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "seed": self.seed,
+                "ignore_eos": self.ignore_eos, "stop": self.stop}
+
+    @classmethod
+    def from_spec(cls, spec: dict) -> "Request":
+        """The request another process described with `spec` (the same id; no sink)."""
+        spec = dict(spec)
+        rid = spec.pop("id")
+        req = cls(spec.pop("prompt_ids"), spec.pop("max_tokens"), **spec)
+        req.id = rid
+        return req
+
     def emit(self, event: Event) -> None:
         if self.sink is None:
             return

@@ -76,6 +76,11 @@ class Scheduler(Admission):
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._waiting: collections.deque[Request] = collections.deque()
+        # Several processes (`serve.replica`): the leader's new requests wait in _inbox until the next
+        # iteration hands them to every process at once; the others find theirs by the leader's ids.
+        self.replica = None
+        self._inbox: list[Request] = []
+        self._by_id: dict[int, Request] = {}
         self._cancel: dict[Request, str] = {}
         self._stop = False
         self._n_running = 0  # guarded by _lock (submit reads it)
@@ -118,6 +123,8 @@ class Scheduler(Admission):
             self._wake.notify_all()
         if self.thread is not None:
             self.thread.join(timeout)
+        if self.replica is not None and self.replica.leader:  # the others leave as their loops end
+            self.replica.close()
 
     @property
     def alive(self) -> bool:
@@ -134,9 +141,10 @@ class Scheduler(Admission):
         with self._lock:
             if self._stop:
                 raise ShuttingDown("the server is shutting down")
-            if self._n_running + len(self._waiting) >= self.config.max_batch + self.config.max_queue:
-                raise QueueFull(f"{self._n_running} requests running and {len(self._waiting)} waiting")
-            self._waiting.append(req)
+            waiting = len(self._waiting) + len(self._inbox)
+            if self._n_running + waiting >= self.config.max_batch + self.config.max_queue:
+                raise QueueFull(f"{self._n_running} requests running and {waiting} waiting")
+            (self._inbox if self.replica is not None else self._waiting).append(req)
             self._wake.notify_all()
 
     def cancel(self, req: Request, reason: str = "cancelled") -> None:
@@ -148,7 +156,7 @@ class Scheduler(Admission):
 
     def counts(self) -> dict:
         with self._lock:
-            running, waiting = self._n_running, len(self._waiting)
+            running, waiting = self._n_running, len(self._waiting) + len(self._inbox)
         out = {"running": running, "waiting": waiting, "bucket": len(self.slots), "batch": self.last_batch,
                "free": self.config.max_batch - running}
         return out if self.blocks is None else out | self.blocks.counts()
@@ -158,11 +166,21 @@ class Scheduler(Admission):
         try:
             while True:
                 with self._lock:
-                    while not (self._stop or self._waiting or self._cancel or self._n_running):
-                        self._wake.wait()
-                    if self._stop:
-                        break
-                    cancels, self._cancel = self._cancel, {}
+                    idle = lambda: not (self._stop or self._waiting or self._cancel or self._n_running  # noqa: E731
+                                        or self._inbox)
+                    if self.replica is None:
+                        while idle():
+                            self._wake.wait()
+                    elif self.replica.leader and idle():  # (the others wait in the exchange)
+                        self._wake.wait(self.replica.heartbeat_s)
+                    stop, cancels, inbox = self._stop, self._cancel, self._inbox
+                    self._cancel, self._inbox = {}, []
+                if self.replica is not None:
+                    stop, cancels, inbox = self._sync(stop, cancels, inbox)
+                if stop:
+                    break
+                with self._lock:
+                    self._waiting.extend(inbox)
                 self._drop(cancels)
                 self._admit()
                 chunked = self._chunked is not None and self._prefill_chunk()
@@ -184,6 +202,21 @@ class Scheduler(Admission):
                 self._waiting.clear()
             for r in pending:
                 self._fail(r, "the server is shutting down" if self.failure is None else f"engine failure: {self.failure}")
+
+    def _sync(self, stop: bool, cancels: dict, inbox: list) -> tuple[bool, dict, list]:
+        """Every process gets the leader's (stop, cancellations, new requests) of this iteration."""
+        message = None
+        if self.replica.leader:
+            message = {"stop": stop, "cancel": [[r.id, why] for r, why in cancels.items()],
+                       "new": [r.spec() for r in inbox]}
+        message = self.replica.exchange(message)
+        if self.replica.leader:
+            return stop, cancels, inbox
+        self._by_id = {i: r for i, r in self._by_id.items() if r.finish_reason is None}
+        new = [Request.from_spec(spec) for spec in message["new"]]
+        self._by_id.update((r.id, r) for r in new)
+        cancels = {self._by_id[i]: why for i, why in message["cancel"] if i in self._by_id}
+        return message["stop"], cancels, new
 
     def _fail(self, req: Request, message: str) -> None:
         if self.blocks is not None:
