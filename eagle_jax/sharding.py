@@ -132,13 +132,16 @@ def state_shardings(tree, mesh: Mesh, num_kv_heads: int):
         return KVCache(tuple(pool(x) for x in c.k), tuple(pool(x) for x in c.v), rows(c.lengths),
                        None if c.table is None else rows(c.table))
 
-    if hasattr(tree, "draft_cache"):  # a DecodeState: the draft's cache is replicated over "model"
-        rest = {f: jax.tree_util.tree_map(rows, getattr(tree, f))
-                for f in ("root", "root_hidden", "lag_feats", "lag_tokens", "lag_n")}
-        return tree.replace(cache=cache(tree.cache, kv), draft_cache=cache(tree.draft_cache, None), **rest)
-    if isinstance(tree, KVCache):
-        return cache(tree, kv)
-    return jax.tree_util.tree_map(rows, tree)
+    def one(x):
+        if hasattr(x, "draft_cache"):  # a DecodeState: the draft's cache is replicated over "model"
+            rest = {f: jax.tree_util.tree_map(rows, getattr(x, f))
+                    for f in ("root", "root_hidden", "lag_feats", "lag_tokens", "lag_n")}
+            return x.replace(cache=cache(x.cache, kv), draft_cache=cache(x.draft_cache, None), **rest)
+        if isinstance(x, KVCache):
+            return cache(x, kv)
+        return rows(x)
+
+    return jax.tree_util.tree_map(one, tree, is_leaf=lambda x: isinstance(x, KVCache) or hasattr(x, "draft_cache"))
 
 
 def place(tree, mesh: Mesh | None, num_kv_heads: int):

@@ -59,13 +59,13 @@ def run(command: str, *extra: str, timeout: int = 900, **kw) -> subprocess.Compl
     return out
 
 
-def start_server(command: str, *extra: str, log):
-    """Starts a documented `python -m eagle_jax.serve ...` command (plus --port 0 --json and `extra`);
-    returns (process, the ready line as a dict with its "url")."""
+def start_server(command: str, *extra: str, log, env=None):
+    """Starts a documented `python -m eagle_jax.serve ...` command (plus --port 0 --json and `extra`; env:
+    the process's environment); returns (process, the ready line as a dict with its "url")."""
     import json
 
     proc = subprocess.Popen(argv(command, "--port", "0", "--json", *extra), stdout=subprocess.PIPE, stderr=log,
-                            text=True, cwd=ROOT)
+                            text=True, cwd=ROOT, env=env)
     for line in proc.stdout:
         if line.startswith("{"):
             return proc, json.loads(line)

@@ -175,6 +175,7 @@ def main(argv=None) -> int:
             info = {"event": "ready", "url": f"http://{host}:{port}", "model": api.model_name,
                     "speculation": config.speculation if api.scheduler.head is not None else "off",
                     "max_batch": config.max_batch, "max_model_len": api.max_model_len,
+                    "mesh": sharding.mesh_shape(target.model.mesh), "processes": jax.process_count(),
                     "auth": config.api_key is not None}
             if args.json:
                 print(json.dumps(info), flush=True)

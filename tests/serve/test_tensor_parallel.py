@@ -1,0 +1,72 @@
+"""The server on a device mesh: the documented multi-device commands in their local form (fake CPU devices,
+and two `jax.distributed` processes on localhost), against one device's greedy output."""
+
+from __future__ import annotations
+
+import os
+
+import openai
+
+from builders import write_tiny_chat_model
+from doc_commands import doc_command, start_server
+
+SINGLE_HOST = "python -m eagle_jax.serve --model /models/Llama-3.1-70B-Instruct --draft /models/EAGLE3-LLaMA3.1-Instruct-70B --speculation fixed:4,4,16 --tensor-parallel 8"  # noqa: E501
+POD = "python -m eagle_jax.serve --model /models/Llama-3.1-70B-Instruct --draft /models/EAGLE3-LLaMA3.1-Instruct-70B --speculation fixed:4,4,16 --tensor-parallel 16"  # noqa: E501
+QUESTIONS = ["Hello there", "Count: 1 2 3"]
+
+
+def _answers(url: str) -> list[str]:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    return [client.chat.completions.create(model=model, messages=[{"role": "user", "content": q}], max_tokens=24,
+                                           temperature=0).choices[0].message.content for q in QUESTIONS]
+
+
+def _env(devices: int, **extra) -> dict:
+    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", **extra)
+
+
+def test_documented_tensor_parallel_commands_serve_one_devices_greedy_text(tmp_path):
+    model = write_tiny_chat_model(tmp_path / "tiny8", heads=8, kv_heads=8)  # 8 heads: splits 8 ways
+    local = ["--model", str(model), "--draft", "random", "--host", "127.0.0.1", "--max-batch", "4",
+             "--log-level", "warning"]
+    results = {}
+    for name, command, degree, devices in (("one device", SINGLE_HOST, "1", 1), ("one host", SINGLE_HOST, "8", 8)):
+        with open(tmp_path / f"{degree}.log", "w+") as log:
+            proc, ready = start_server(doc_command(command), *local, "--tensor-parallel", degree, log=log,
+                                       env=_env(devices))
+            try:
+                assert ready["mesh"] == {"data": 1, "model": int(degree)}
+                results[name] = _answers(ready["url"])
+            finally:
+                proc.terminate()
+                proc.wait(60)
+    # Two processes of 4 devices each, TP 8 across them: process 0 serves, process 1 follows.
+    coordinator = dict(JAX_COORDINATOR_ADDRESS="127.0.0.1:" + str(20000 + os.getpid() % 20000), JAX_NUM_PROCESSES="2")
+    logs = [open(tmp_path / f"process{i}.log", "w+") for i in range(2)]
+    procs = []
+    try:
+        import subprocess
+
+        from doc_commands import argv
+
+        follower = subprocess.Popen(argv(doc_command(POD), *local, "--tensor-parallel", "8", "--port", "0"),
+                                    stdout=logs[1], stderr=logs[1], env=_env(4, **coordinator, JAX_PROCESS_ID="1"))
+        procs.append(follower)
+        leader, ready = start_server(doc_command(POD), *local, "--tensor-parallel", "8", log=logs[0],
+                                     env=_env(4, **coordinator, JAX_PROCESS_ID="0"))
+        procs.append(leader)
+        assert ready["mesh"] == {"data": 1, "model": 8} and ready["processes"] == 2
+        results["two processes"] = _answers(ready["url"])
+        leader.terminate()
+        leader.wait(60)
+        assert follower.wait(60) == 0  # the leader's stop reached it: it left cleanly
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for f in logs:
+            f.close()
+    assert results["one host"] == results["one device"]
+    assert results["two processes"] == results["one device"]
+    assert all(results["one device"])
