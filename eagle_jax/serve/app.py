@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import os
 
+import jax
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-
-import jax
 
 from eagle_jax import harness, profiles, sharding
 from eagle_jax.serve.api import Api
@@ -176,6 +176,8 @@ def create_app(target, head=None, config=None, *, profile=None, metrics: Metrics
     """
     config = config or ServeConfig()
     metrics = metrics or Metrics()
+    if jax.process_count() > 1:  # (joined through the environment rather than --distributed)
+        config = dataclasses.replace(config, distributed=True)  # validated again: see ServeConfig.mesh_problem
     max_model_len = config.model_len(target.cfg.max_position)
     buckets, prefill_batches = tuple(config.batch_buckets), tuple(config.prefill_batches)
     dp = sharding.mesh_shape(target.model.mesh)["data"]

@@ -70,3 +70,19 @@ def test_documented_tensor_parallel_commands_serve_one_devices_greedy_text(tmp_p
     assert results["one host"] == results["one device"]
     assert results["two processes"] == results["one device"]
     assert all(results["one device"])
+
+
+def test_parallel_settings_that_cannot_serve_together_are_refused_with_the_reason():
+    import pytest
+
+    from eagle_jax.serve.config import ConfigError, ServeConfig
+
+    with pytest.raises(ConfigError, match="block_size 0"):
+        ServeConfig(data_parallel=2)  # a paged pool is shared by every row
+    with pytest.raises(ConfigError, match="max_batch 5 must be a multiple of data_parallel 2"):
+        ServeConfig(data_parallel=2, block_size=0, max_batch=5)
+    with pytest.raises(ConfigError, match="speculation 'auto'"):
+        ServeConfig(distributed=True)
+    with pytest.raises(ConfigError, match="tensor_parallel and data_parallel must be >= 1"):
+        ServeConfig(tensor_parallel=0)
+    assert ServeConfig(data_parallel=2, block_size=0, distributed=True, speculation="off").mesh_problem() is None
