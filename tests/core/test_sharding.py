@@ -197,3 +197,27 @@ def test_generate_cli_on_a_mesh_reports_it_and_rejects_a_degree_that_does_not_fi
         outs[tp, dp] = json.loads(proc.stdout)
         assert outs[tp, dp]["stats"]["mesh"] == {"data": dp, "model": tp}
     assert outs[4, 1]["token_ids"] == outs[1, 1]["token_ids"] == outs[2, 2]["token_ids"]
+
+
+def test_generate_cli_across_two_distributed_processes_matches_one(tmp_path):
+    """`--distributed`: two processes of 2 CPU devices each run the same steps at TP 4 (gloo collectives);
+    process 0 prints, and its text is one device's."""
+    from builders import write_tiny_chat_model
+
+    model = write_tiny_chat_model(tmp_path / "tiny")
+    cmd = [sys.executable, "-m", "eagle_jax.generate", "--model", str(model), "--prompt", "Hello", "--json",
+           "--max-new-tokens", "12", "--draft", "random", "--tree", "3,2,6"]
+    single = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert single.returncode == 0, single.stderr[-3000:]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_NUM_PROCESSES="2",
+               JAX_COORDINATOR_ADDRESS="127.0.0.1:" + str(20000 + (os.getpid() + 7) % 20000))
+    procs = [subprocess.Popen(cmd + ["--tensor-parallel", "4", "--distributed"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, cwd=ROOT, env=dict(env, JAX_PROCESS_ID=str(i)))
+             for i in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-3000:] + outs[1][1][-3000:]
+    reports = [[line for line in out.splitlines() if line.startswith("{")] for out, _ in outs]  # (gloo logs too)
+    assert len(reports[0]) == 1 and reports[1] == []  # only process 0 reports
+    leader = json.loads(reports[0][0])
+    assert leader["stats"]["mesh"] == {"data": 1, "model": 4}
+    assert leader["token_ids"] == json.loads(single.stdout)["token_ids"]

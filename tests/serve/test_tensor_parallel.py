@@ -31,12 +31,13 @@ def test_documented_tensor_parallel_commands_serve_one_devices_greedy_text(tmp_p
     local = ["--model", str(model), "--draft", "random", "--host", "127.0.0.1", "--max-batch", "4",
              "--log-level", "warning"]
     results = {}
-    for name, command, degree, devices in (("one device", SINGLE_HOST, "1", 1), ("one host", SINGLE_HOST, "8", 8)):
+    for name, degree, data, devices in (("one device", 1, 1, 1), ("one host", 8, 1, 8), ("data x model", 2, 2, 4)):
+        rows = ["--data-parallel", str(data), "--block-size", "0"] if data > 1 else []
         with open(tmp_path / f"{degree}.log", "w+") as log:
-            proc, ready = start_server(doc_command(command), *local, "--tensor-parallel", degree, log=log,
-                                       env=_env(devices))
+            proc, ready = start_server(doc_command(SINGLE_HOST), *local, "--tensor-parallel", str(degree), *rows,
+                                       log=log, env=_env(devices))
             try:
-                assert ready["mesh"] == {"data": 1, "model": int(degree)}
+                assert ready["mesh"] == {"data": data, "model": degree}
                 results[name] = _answers(ready["url"])
             finally:
                 proc.terminate()
@@ -68,6 +69,7 @@ def test_documented_tensor_parallel_commands_serve_one_devices_greedy_text(tmp_p
         for f in logs:
             f.close()
     assert results["one host"] == results["one device"]
+    assert results["data x model"] == results["one device"]
     assert results["two processes"] == results["one device"]
     assert all(results["one device"])
 
