@@ -106,7 +106,8 @@ def shard_params(state, cfg, mesh: Mesh):
     for path, var in nnx.to_flat_state(state):
         key = tuple(str(k) for k in path)
         value = var[...]
-        flat.append((path, var.replace(jax.device_put(value, NamedSharding(mesh, param_spec(key, value.shape, cfg, tp))))))
+        spec = param_spec(key, value.shape, cfg, tp)
+        flat.append((path, var.replace(jax.device_put(value, NamedSharding(mesh, spec)))))
     return nnx.from_flat_state(flat)
 
 
@@ -116,10 +117,11 @@ def replicate(tree, mesh: Mesh):
 
 
 def state_shardings(tree, mesh: Mesh, num_kv_heads: int):
-    """NamedShardings for a DecodeState (or any pytree of per-row arrays and KVCaches): KV caches by kv
-    head (target caches only: a cache whose head count is num_kv_heads and that is not the draft's) and
-    rows over "data"; every other array's first axis (the batch) over "data", scalars replicated.
-    Works on arrays and on jax.ShapeDtypeStructs."""
+    """NamedShardings for a pytree of DecodeStates, KVCaches and per-row arrays. A target's KV cache (a
+    DecodeState's `cache`, or a bare KVCache) is split by kv head over "model" when num_kv_heads divides
+    the degree (None: heads replicated, as for the draft's `draft_cache`), its rows over "data" (paged
+    pools are shared by every row: not split by rows); every other array's first axis (the batch) over
+    "data", scalars replicated. Works on arrays and on jax.ShapeDtypeStructs."""
     tp = mesh.shape[MODEL]
     kv = MODEL if num_kv_heads and kv_split(num_kv_heads, tp) else None
     named = lambda *spec: NamedSharding(mesh, P(*spec))  # noqa: E731
@@ -169,8 +171,12 @@ def replicated(tree, mesh: Mesh | None):
 def abstract(tree, mesh: Mesh | None, num_kv_heads: int):
     """jax.ShapeDtypeStructs of tree's arrays, with their `state_shardings` on a mesh (what ahead-of-time
     compiles are lowered for)."""
-    shapes = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype)
-                                    if not isinstance(a, jax.ShapeDtypeStruct) else a, tree)
+    def shape_of(a):
+        if isinstance(a, jax.ShapeDtypeStruct):
+            return a
+        return jax.ShapeDtypeStruct(np.shape(a), a.dtype if hasattr(a, "dtype") else np.asarray(a).dtype)
+
+    shapes = jax.tree_util.tree_map(shape_of, tree)
     if mesh is None:
         return shapes
     return jax.tree_util.tree_map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes,

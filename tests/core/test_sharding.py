@@ -23,10 +23,10 @@ from eagle_jax.sharding import check_fits, make_mesh, mesh_shape, param_spec
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_on_fake_devices(code: str, devices: int = 8, timeout: int = 600) -> dict:
+def run_on_fake_devices(code: str, devices: int = 8, timeout: int = 600, **env_extra) -> dict:
     """Runs `code` in a Python with `devices` CPU devices; it prints one JSON line starting with RESULT."""
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]))
+               PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]), **env_extra)
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
                           timeout=timeout, cwd=ROOT)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
@@ -84,7 +84,7 @@ MESH_CHECKS = """
     from builders import TINY, PROMPTS, tiny_target
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from eagle_jax import TreeConfig, generate, random_head, steps
+    from eagle_jax import TreeConfig, generate, profiles, random_head, steps
     from eagle_jax.engine import engine_for
     from eagle_jax.sampling import SamplingParams
     from eagle_jax.sharding import shard_target
@@ -111,6 +111,13 @@ MESH_CHECKS = """
                 traced = {k: v - before.get(k, 0) for k, v in steps.TRACE_COUNTS.items()}
                 out["cases"].append({"model": name, "tp": tp, "dp": dp, "extra": extra, "tree": tree, "mesh": mesh,
                                      "same": ids == base[tree], "again": again == ids, "traced": traced})
+        if kv == 8:  # the harness measures and chooses on the mesh, under a profile of the mesh's own
+            shard_target(tgt, 4, 1)
+            auto = generate(tgt, PROMPTS, head, tree="auto", candidates=["3,2,6"], **kw)
+            key4 = profiles.profile_key(tgt, head, [4], ["off", "3,2,6"], 128)
+            shard_target(tgt, 1, 1)
+            out["auto"] = {"same": auto.token_ids == base[None], "profile": auto.stats["profile"],
+                           "keys_differ": key4 != profiles.profile_key(tgt, head, [4], ["off", "3,2,6"], 128)}
         ids, _ = run(2 if kv == 8 else 4, 1, "3,2,6", temperature=1.0, seed=3)
         out["cases"].append({"model": name, "tree": "sampled", "same": ids == sampled, "again": True, "traced": {}})
         shard_target(tgt, 4, 1)
@@ -126,12 +133,14 @@ MESH_CHECKS = """
 """
 
 
-def test_greedy_output_on_a_mesh_equals_one_device():
+def test_greedy_output_on_a_mesh_equals_one_device(tmp_path):
     """TP 2 and 4, DP 2 x TP 2, kv heads split (8) and replicated (2 at degree 4), contiguous and paged
     caches: the same greedy tokens as one device, plain and speculative, one compile per program; a
-    sampled speculative run draws the same tokens too (the random bits do not depend on the layout)."""
-    out = run_on_fake_devices(MESH_CHECKS)
+    sampled speculative run draws the same tokens too (the random bits do not depend on the layout);
+    tree="auto" measures its cost profile on the mesh, under a key of its own."""
+    out = run_on_fake_devices(MESH_CHECKS, EAGLE_JAX_CACHE=str(tmp_path))  # (the harness's profile goes there)
     assert out["devices"] == 8
+    assert out["auto"] == {"same": True, "profile": "measured", "keys_differ": True}
     for case in out["cases"]:
         assert case["same"] and case["again"], case
         if case["tree"] != "sampled":
