@@ -10,8 +10,6 @@ import openai
 from builders import write_tiny_chat_model
 from doc_commands import doc_command, start_server
 
-SINGLE_HOST = "python -m eagle_jax.serve --model /models/Llama-3.1-70B-Instruct --draft /models/EAGLE3-LLaMA3.1-Instruct-70B --speculation fixed:4,4,16 --tensor-parallel 8"  # noqa: E501
-POD = "python -m eagle_jax.serve --model /models/Llama-3.1-70B-Instruct --draft /models/EAGLE3-LLaMA3.1-Instruct-70B --speculation fixed:4,4,16 --tensor-parallel 16"  # noqa: E501
 QUESTIONS = ["Hello there", "Count: 1 2 3"]
 
 
@@ -30,11 +28,15 @@ def test_documented_tensor_parallel_commands_serve_one_devices_greedy_text(tmp_p
     model = write_tiny_chat_model(tmp_path / "tiny8", heads=8, kv_heads=8)  # 8 heads: splits 8 ways
     local = ["--model", str(model), "--draft", "random", "--host", "127.0.0.1", "--max-batch", "4",
              "--log-level", "warning"]
+    single_host = doc_command("python -m eagle_jax.serve --model /models/Llama-3.1-70B-Instruct --draft "
+                              "/models/EAGLE3-LLaMA3.1-Instruct-70B --speculation fixed:4,4,16 --tensor-parallel 8")
+    pod = doc_command("python -m eagle_jax.serve --model /models/Llama-3.1-70B-Instruct --draft "
+                      "/models/EAGLE3-LLaMA3.1-Instruct-70B --speculation fixed:4,4,16 --tensor-parallel 16")
     results = {}
     for name, degree, data, devices in (("one device", 1, 1, 1), ("one host", 8, 1, 8), ("data x model", 2, 2, 4)):
         rows = ["--data-parallel", str(data), "--block-size", "0"] if data > 1 else []
         with open(tmp_path / f"{degree}.log", "w+") as log:
-            proc, ready = start_server(doc_command(SINGLE_HOST), *local, "--tensor-parallel", str(degree), *rows,
+            proc, ready = start_server(single_host, *local, "--tensor-parallel", str(degree), *rows,
                                        log=log, env=_env(devices))
             try:
                 assert ready["mesh"] == {"data": data, "model": degree}
@@ -51,10 +53,10 @@ def test_documented_tensor_parallel_commands_serve_one_devices_greedy_text(tmp_p
 
         from doc_commands import argv
 
-        follower = subprocess.Popen(argv(doc_command(POD), *local, "--tensor-parallel", "8", "--port", "0"),
+        follower = subprocess.Popen(argv(pod, *local, "--tensor-parallel", "8", "--port", "0"),
                                     stdout=logs[1], stderr=logs[1], env=_env(4, **coordinator, JAX_PROCESS_ID="1"))
         procs.append(follower)
-        leader, ready = start_server(doc_command(POD), *local, "--tensor-parallel", "8", log=logs[0],
+        leader, ready = start_server(pod, *local, "--tensor-parallel", "8", log=logs[0],
                                      env=_env(4, **coordinator, JAX_PROCESS_ID="0"))
         procs.append(leader)
         assert ready["mesh"] == {"data": 1, "model": 8} and ready["processes"] == 2
