@@ -267,7 +267,9 @@ def main(argv=None):
         # A compilation cache shared by the three servers (shapes compiled by one are loaded by the next):
         # the caller's JAX_COMPILATION_CACHE_DIR when it has one (the test suite's), else a temporary one.
         cache = os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(Path(tmp.name) / "xla")
-        args.server_arg = ["--candidates", "off", "3,1,4", "--profile-reps", "2", "--no-warmup",
+        # Contiguous rows: the smoke run checks this script, and the paged server's extra programs (row
+        # surgery on the pools) would only add compile time; tests/serve covers the paged server.
+        args.server_arg = ["--candidates", "off", "3,1,4", "--profile-reps", "2", "--no-warmup", "--block-size", "0",
                            "--compile-cache", cache,
                            "--profile-dir", str(Path(tmp.name) / "profiles")] + args.server_arg
     prompts = PROMPTS

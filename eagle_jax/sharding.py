@@ -212,6 +212,10 @@ def shard_target(target, tensor_parallel: int = 1, data_parallel: int = 1, devic
     from flax import nnx
 
     check_fits(target.cfg, tensor_parallel)
+    if data_parallel > 1 and jax.process_count() > 1:
+        raise ConfigError("data_parallel > 1 with several processes is not supported: rows would sit on other "
+                          "processes' devices, and every process reads every row's tokens; split the model across "
+                          "processes (tensor_parallel) instead")
     mesh = make_mesh(tensor_parallel, data_parallel, devices)
     model = target.model
     if mesh_shape(mesh) == mesh_shape(model.mesh) and (mesh is None or mesh == model.mesh):

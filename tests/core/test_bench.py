@@ -1,6 +1,7 @@
 """`python -m eagle_jax.bench`: datasets, the JSON report, errors."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -49,11 +50,14 @@ def test_bench_reports_every_combination_and_checks_greedy_identity(tmp_path, ti
     f.write_text('{"prompt": "Name a fruit."}\n{"prompt": "Say hi."}\n{"prompt": "Count to three."}\n')
     out_json = tmp_path / "bench.json"
     # Two fixed trees; the real-model `--tree auto` run is the README bench command's test (test_docs.py).
+    # On a mesh of two fake devices (the target split two ways): greedy identity is checked on it.
     out = _run("--model", tiny_chat_model, "--draft", "random", "--dataset", str(f), "--max-new-tokens", "8",
                "--batch-size", "1", "2", "--temperature", "0", "0.8", "--tree", "2,2,4", "3,1,3",
-               "--json", str(out_json), "--plot", str(tmp_path / "b.png"))
+               "--json", str(out_json), "--plot", str(tmp_path / "b.png"), "--tensor-parallel", "2",
+               env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2"))
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out_json.read_text())
+    assert report["mesh"] == {"data": 1, "model": 2}
     assert report["trees"] == ["2,2,4", "3,1,3"]
     assert len(report["results"]) == 8  # batch sizes x temperatures x trees
     assert [r["tree"] for r in report["results"]] == ["2,2,4", "3,1,3"] * 4

@@ -189,28 +189,19 @@ def test_smollm2_at_tensor_parallel_3_gives_one_devices_greedy_output(smollm2):
     assert out["spec"] == reference
 
 
-def test_generate_cli_on_a_mesh_reports_it_and_rejects_a_degree_that_does_not_fit(tmp_path):
+def test_generate_cli_rejects_a_degree_that_does_not_fit(tmp_path):
     from builders import run_main, write_tiny_chat_model
     from eagle_jax.generate import main
 
     model = write_tiny_chat_model(tmp_path / "tiny")  # 4 heads, 2 kv heads
     bad = run_main(main, "--model", str(model), "--prompt", "hi", "--tensor-parallel", "3")
-    assert bad.returncode == 2 and "num_heads (attention heads) = 4" in bad.stderr
-    cmd = [sys.executable, "-m", "eagle_jax.generate", "--model", str(model), "--prompt", "Hello", "--json",
-           "--max-new-tokens", "12", "--draft", "random", "--tree", "3,2,6"]
-    outs, env = {}, dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    for tp, dp in ((1, 1), (4, 1), (2, 2)):
-        proc = subprocess.run(cmd + ["--tensor-parallel", str(tp), "--data-parallel", str(dp)], capture_output=True,
-                              text=True, timeout=600, cwd=ROOT, env=env)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        outs[tp, dp] = json.loads(proc.stdout)
-        assert outs[tp, dp]["stats"]["mesh"] == {"data": dp, "model": tp}
-    assert outs[4, 1]["token_ids"] == outs[1, 1]["token_ids"] == outs[2, 2]["token_ids"]
+    assert bad.returncode == 2 and "num_heads (attention heads) = 4" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_generate_cli_across_two_distributed_processes_matches_one(tmp_path):
-    """`--distributed`: two processes of 2 CPU devices each run the same steps at TP 4 (gloo collectives);
-    process 0 prints, and its text is one device's."""
+    """`--distributed`: two processes of 2 CPU devices each run the same steps at TP 4 (gloo collectives;
+    kv heads replicated, the vocabulary too); process 0 prints `--json` with the mesh, and its tokens are
+    one device's."""
     from builders import write_tiny_chat_model
 
     model = write_tiny_chat_model(tmp_path / "tiny")
