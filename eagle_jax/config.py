@@ -1,8 +1,10 @@
-"""Model configuration for Llama-family targets.
+"""Model configuration for Llama-family and Gemma 3 targets.
 
-One frozen dataclass covers Llama 2 / 3.x, Mistral, Qwen2 / 2.5, Qwen3 and SmolLM2: the
-architectures differ only in a handful of switches (biases, q/k norms, head_dim, tied
-embeddings, rope scaling). Being frozen and hashable, a config is a valid static jit argument.
+One frozen dataclass covers Llama 2 / 3.x, Mistral, Qwen2 / 2.5, Qwen3, SmolLM2 and Gemma 3 text
+models: the architectures differ only in a handful of switches (biases, q/k norms, head_dim, tied
+embeddings, rope scaling; for Gemma 3 also (1 + w) norms, norms after attention and after the MLP,
+GeLU-tanh, scaled embeddings, its own attention scale and a second rope for its sliding-window layers).
+Being frozen and hashable, a config is a valid static jit argument.
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": {},
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
+    "gemma3_text": {"qk_norm": True, "norm_offset": 1.0, "activation": "gelu_tanh", "sandwich_norms": True},
 }
+ACTIVATIONS = ("silu", "gelu_tanh")
 SUPPORTED_ARCHITECTURES = tuple(_ARCH_DEFAULTS)
 
 
@@ -67,6 +71,14 @@ class ModelConfig:
     max_position: int = 4096
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Gemma 3 switches (the defaults are Llama's):
+    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + w): Gemma stores w around 0
+    activation: str = "silu"  # the MLP's gate: silu (SwiGLU) or gelu_tanh (GeGLU)
+    sandwich_norms: bool = False  # a norm on the attention output and on the MLP output too
+    embed_scale: float = 1.0  # token embeddings are multiplied by this (Gemma: sqrt(hidden_size))
+    query_scale: float | None = None  # attention scores' scale (None: head_dim ** -0.5)
+    layer_types: tuple[str, ...] = ()  # per layer "full_attention" or "sliding_attention" (empty: all full)
+    local_rope: RopeConfig | None = None  # the rope of sliding_attention layers (None: `rope`)
 
     def __post_init__(self):
         if self.arch not in _ARCH_DEFAULTS:
@@ -83,6 +95,19 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.activation not in ACTIVATIONS:
+            raise ConfigError(f"activation {self.activation!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        bad = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
+        if bad:
+            raise ConfigError(f"layer_types holds {bad}: supported are full_attention and sliding_attention")
+
+    def layer_rope(self, i: int) -> RopeConfig:
+        """The rope of layer i (a sliding-window layer may have its own base)."""
+        if self.local_rope is not None and self.layer_types and self.layer_types[i] == "sliding_attention":
+            return self.local_rope
+        return self.rope
 
     @property
     def q_per_kv(self) -> int:
@@ -92,6 +117,8 @@ class ModelConfig:
     def from_hf(cls, hf: Mapping[str, Any], source: str = "config.json") -> "ModelConfig":
         """Builds a config from a Hugging Face `config.json` dict (transformers 4.x or 5.x)."""
         model_type = hf.get("model_type")
+        if model_type == "gemma3" and isinstance(hf.get("text_config"), Mapping):  # the multimodal wrapper
+            hf, model_type = {**hf["text_config"], "model_type": "gemma3_text"}, "gemma3_text"
         if model_type not in _ARCH_DEFAULTS:
             archs = hf.get("architectures")
             raise ConfigError(
@@ -118,6 +145,10 @@ class ModelConfig:
             raise ConfigError(f"{source}: mlp_bias=true is not supported")
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+        rope = rope_from_hf(hf, source)
+        if model_type == "gemma3_text":
+            switches.update(_gemma3_fields(hf, hidden, source))
+            rope = switches.pop("rope")
         return cls(
             arch=model_type,
             vocab_size=int(need("vocab_size")),
@@ -128,13 +159,38 @@ class ModelConfig:
             num_kv_heads=int(hf.get("num_key_value_heads") or heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope=rope_from_hf(hf, source),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            rope=rope,
+            tie_embeddings=bool(hf.get("tie_word_embeddings", model_type == "gemma3_text")),
             max_position=_max_position(hf),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             **switches,
         )
+
+
+def _gemma3_fields(hf: Mapping[str, Any], hidden: int, source: str) -> dict[str, Any]:
+    """Gemma 3's fields of a text config: two ropes (full-attention layers and sliding-window layers),
+    the layer pattern, the attention scale and the embedding scale; softcapping is refused."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if hf.get(key) is not None:
+            raise ConfigError(f"{source}: {key}={hf[key]} is not supported (Gemma 3 models set it to null)")
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ConfigError(f"{source}: hidden_activation {act!r} is not supported (Gemma 3 uses gelu_pytorch_tanh)")
+    params = hf.get("rope_parameters")
+    if isinstance(params, Mapping) and "full_attention" in params:  # transformers >= 5
+        rope = rope_from_hf({"rope_parameters": params["full_attention"]}, source)
+        local = rope_from_hf({"rope_parameters": params.get("sliding_attention") or {}}, source)
+    else:
+        rope = rope_from_hf({"rope_theta": 1_000_000.0, **hf}, source)
+        local = RopeConfig(theta=float(hf.get("rope_local_base_freq", 10_000.0)))
+    layers = int(hf.get("num_hidden_layers", 0))
+    types = hf.get("layer_types")
+    if not types:
+        pattern = int(hf.get("sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    return {"rope": rope, "local_rope": local, "layer_types": tuple(types), "embed_scale": float(hidden) ** 0.5,
+            "query_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5}
 
 
 def _max_position(hf: Mapping[str, Any]) -> int:

@@ -20,10 +20,11 @@ from eagle_jax.kv_cache import read_rows, write_rows
 from pallas_kernels import paged_tree_attention, tree_attention
 
 
-def rms_norm(x, weight, eps):
+def rms_norm(x, weight, eps, offset: float = 0.0):
+    """RMSNorm scaled by (offset + weight): offset 0 for Llama, 1 for Gemma (its weights sit around 0)."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+    return (xf * (offset + weight.astype(jnp.float32))).astype(x.dtype)
 
 
 def apply_rope(x, positions, inv_freq):
@@ -60,9 +61,11 @@ def param_factories(rngs: nnx.Rngs | None, dtype):
 
 
 def project_qkv(h, wq, wk, wv, *, num_heads: int, num_kv_heads: int, head_dim: int, positions, rope,
-                biases=None, qk_norms=None, eps: float = 1e-6):
+                biases=None, qk_norms=None, eps: float = 1e-6, norm_offset: float = 0.0, query_scale=None):
     """q [B,T,Hq,D], k and v [B,T,K,D] from the layer input h [B,T,*], with rotary embeddings at
-    `positions` [B,T]; optional q/k/v biases and per-head q/k norms (Qwen3)."""
+    `positions` [B,T]; optional q/k/v biases and per-head q/k norms (Qwen3, Gemma 3; scaled by
+    norm_offset + w). query_scale: the attention scores' scale when it is not head_dim ** -0.5 (Gemma 3):
+    q is multiplied so that the kernels' own head_dim ** -0.5 gives it."""
     b, t, _ = h.shape
     q, k, v = h @ wq, h @ wk, h @ wv
     if biases is not None:
@@ -71,9 +74,12 @@ def project_qkv(h, wq, wk, wv, *, num_heads: int, num_kv_heads: int, head_dim: i
     k = k.reshape(b, t, num_kv_heads, head_dim)
     v = v.reshape(b, t, num_kv_heads, head_dim)
     if qk_norms is not None:
-        q, k = rms_norm(q, qk_norms[0], eps), rms_norm(k, qk_norms[1], eps)
+        q, k = rms_norm(q, qk_norms[0], eps, norm_offset), rms_norm(k, qk_norms[1], eps, norm_offset)
     inv_freq = jnp.asarray(rope_frequencies(rope, head_dim))
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+    q = apply_rope(q, positions, inv_freq)
+    if query_scale is not None:
+        q = (q.astype(jnp.float32) * (query_scale * head_dim ** 0.5)).astype(q.dtype)
+    return q, apply_rope(k, positions, inv_freq), v
 
 
 def cached_attention(q, k, v, k_cache, v_cache, *, starts, lengths, tree_mask, window: int | None = None,
@@ -139,13 +145,23 @@ def sharded_attention(q, k, v, k_cache, v_cache, *, starts, lengths, tree_mask, 
     return run(q, k, v, k_cache, v_cache, starts, lengths, tree_mask, *(() if table is None else (table,)))
 
 
-def layer_tail(residual, attn, wo, mlp_norm, w_gate, w_up, w_down, eps, bo=None):
+def layer_tail(residual, attn, wo, mlp_norm, w_gate, w_up, w_down, eps, bo=None, *, norm_offset: float = 0.0,
+               activation: str = "silu", post_attn_norm=None, post_mlp_norm=None):
     """The rest of a decoder layer after attention: output projection onto the residual, then the
-    pre-normed SwiGLU MLP with its own residual. attn [B,T,Hq,D]."""
+    pre-normed gated MLP (SwiGLU, or GeGLU with activation "gelu_tanh") with its own residual. Gemma 3
+    also norms the attention output and the MLP output before each residual add (post_attn_norm,
+    post_mlp_norm). attn [B,T,Hq,D]."""
     b, t = attn.shape[:2]
     o = attn.reshape(b, t, -1) @ wo
     if bo is not None:
         o = o + bo
+    if post_attn_norm is not None:
+        o = rms_norm(o, post_attn_norm, eps, norm_offset)
     x = residual + o
-    h = rms_norm(x, mlp_norm, eps)
-    return x + (jax.nn.silu(h @ w_gate) * (h @ w_up)) @ w_down
+    h = rms_norm(x, mlp_norm, eps, norm_offset)
+    gate = h @ w_gate
+    gate = jax.nn.gelu(gate, approximate=True) if activation == "gelu_tanh" else jax.nn.silu(gate)
+    m = (gate * (h @ w_up)) @ w_down
+    if post_mlp_norm is not None:
+        m = rms_norm(m, post_mlp_norm, eps, norm_offset)
+    return x + m

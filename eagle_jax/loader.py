@@ -78,6 +78,20 @@ HF_TABLE = (
     ("model.layers.{i}.mlp.down_proj.weight", ("layers", "w_down"), True),
 )
 HF_IGNORED = (re.compile(r".*rotary_emb\.inv_freq$"),)
+# Gemma 3 norms its sub-layers' outputs too: its post_attention_layernorm follows attention (it is not the
+# MLP's input norm, which Gemma calls pre_feedforward_layernorm).
+GEMMA3_HF_NORMS = (
+    ("model.layers.{i}.post_attention_layernorm.weight", ("layers", "post_attn_norm"), False),
+    ("model.layers.{i}.pre_feedforward_layernorm.weight", ("layers", "mlp_norm"), False),
+    ("model.layers.{i}.post_feedforward_layernorm.weight", ("layers", "post_mlp_norm"), False),
+)
+
+
+def hf_table(cfg: ModelConfig):
+    """The Hugging Face tensor table of this architecture."""
+    if not cfg.sandwich_norms:
+        return HF_TABLE
+    return tuple(e for e in HF_TABLE if e[0] != "model.layers.{i}.post_attention_layernorm.weight") + GEMMA3_HF_NORMS
 
 GGUF_TABLE = (
     ("token_embd.weight", ("embed",), False),
@@ -202,7 +216,7 @@ def load_hf_dir(directory, dtype=jnp.float32, tokenizer: bool = True) -> Target:
         return tuple(handle(name).get_slice(name).get_shape())
 
     try:
-        model = assemble(cfg, HF_TABLE, list(files), read, shape_of, str(directory), HF_IGNORED, dtype=dtype)
+        model = assemble(cfg, hf_table(cfg), list(files), read, shape_of, str(directory), HF_IGNORED, dtype=dtype)
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)

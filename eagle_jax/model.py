@@ -41,7 +41,8 @@ class Block(nnx.Module):
         H, F = cfg.hidden_size, cfg.intermediate_size
         qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         w, ones, zeros = param_factories(rngs, dtype)
-        self.attn_norm = ones(H)
+        norm = zeros if cfg.norm_offset == 1.0 else ones  # a norm's initial scale is 1 either way
+        self.attn_norm = norm(H)
         self.wq, self.wk, self.wv = w(H, qd), w(H, kd), w(H, kd)
         self.wo = w(qd, H)
         if cfg.qkv_bias:
@@ -49,26 +50,31 @@ class Block(nnx.Module):
         if cfg.o_bias:
             self.bo = zeros(H)
         if cfg.qk_norm:
-            self.q_norm, self.k_norm = ones(cfg.head_dim), ones(cfg.head_dim)
-        self.mlp_norm = ones(H)
+            self.q_norm, self.k_norm = norm(cfg.head_dim), norm(cfg.head_dim)
+        if cfg.sandwich_norms:
+            self.post_attn_norm, self.post_mlp_norm = norm(H), norm(H)
+        self.mlp_norm = norm(H)
         self.w_gate, self.w_up = w(H, F), w(H, F)
         self.w_down = w(F, H)
 
     def __call__(self, x, k_cache, v_cache, *, cfg: ModelConfig, positions, lengths, tree_mask, window=None,
-                 table=None, mesh=None):
-        """x [B,T,H]; this layer's caches [B,S,K,D] (block pools with a paged cache's table).
-        Returns (x, k_cache, v_cache)."""
-        eps = cfg.rms_norm_eps
+                 table=None, mesh=None, rope=None):
+        """x [B,T,H]; this layer's caches [B,S,K,D] (block pools with a paged cache's table); rope: this
+        layer's (default cfg.rope). Returns (x, k_cache, v_cache)."""
+        eps, off = cfg.rms_norm_eps, cfg.norm_offset
         q, k, v = project_qkv(
-            rms_norm(x, self.attn_norm[...], eps), self.wq[...], self.wk[...], self.wv[...],
+            rms_norm(x, self.attn_norm[...], eps, off), self.wq[...], self.wk[...], self.wv[...],
             num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, positions=positions,
-            rope=cfg.rope, eps=eps,
+            rope=rope or cfg.rope, eps=eps, norm_offset=off, query_scale=cfg.query_scale,
             biases=(self.bq[...], self.bk[...], self.bv[...]) if cfg.qkv_bias else None,
             qk_norms=(self.q_norm[...], self.k_norm[...]) if cfg.qk_norm else None)
         attn, k_cache, v_cache = cached_attention(q, k, v, k_cache, v_cache, starts=lengths, lengths=lengths,
                                                   tree_mask=tree_mask, window=window, table=table, mesh=mesh)
+        sandwich = cfg.sandwich_norms
         x = layer_tail(x, attn, self.wo[...], self.mlp_norm[...], self.w_gate[...], self.w_up[...],
-                       self.w_down[...], eps, bo=self.bo[...] if cfg.o_bias else None)
+                       self.w_down[...], eps, bo=self.bo[...] if cfg.o_bias else None, norm_offset=off,
+                       activation=cfg.activation, post_attn_norm=self.post_attn_norm[...] if sandwich else None,
+                       post_mlp_norm=self.post_mlp_norm[...] if sandwich else None)
         return x, k_cache, v_cache
 
 
@@ -80,16 +86,19 @@ class Transformer(nnx.Module):
         # The ("data", "model") mesh the parameters are sharded over (`eagle_jax.sharding`); None: one device.
         # Static (part of the graphdef), so steps compile for it.
         self.mesh = None
-        w, ones, _ = param_factories(rngs, dtype)
+        w, ones, zeros = param_factories(rngs, dtype)
         self.embed = w(cfg.vocab_size, cfg.hidden_size)
         self.layers = nnx.List([Block(cfg, rngs=rngs, dtype=dtype) for _ in range(cfg.num_layers)])
-        self.final_norm = ones(cfg.hidden_size)
+        self.final_norm = (zeros if cfg.norm_offset == 1.0 else ones)(cfg.hidden_size)
         if not cfg.tie_embeddings:
             self.lm_head = w(cfg.hidden_size, cfg.vocab_size)
 
     # --- pieces the speculative engine and draft heads reuse -------------------------------------
     def embed_tokens(self, tokens):
-        return jnp.take(self.embed[...], tokens, axis=0)
+        x = jnp.take(self.embed[...], tokens, axis=0)
+        if self.cfg.embed_scale != 1.0:  # (in the embedding's dtype, as the reference implementations round it)
+            x = x * jnp.asarray(self.cfg.embed_scale, x.dtype)
+        return x
 
     def lm_head_weight(self):
         """[H, V] output projection (the transposed embedding when tied)."""
@@ -130,12 +139,12 @@ class Transformer(nnx.Module):
         for i, block in enumerate(self.layers):
             x, k_i, v_i = block(x, cache.k[i], cache.v[i], cfg=cfg, positions=positions,
                                 lengths=cache.lengths, tree_mask=tree_mask, window=window, table=cache.table,
-                                mesh=self.mesh)
+                                mesh=self.mesh, rope=cfg.layer_rope(i))
             ks.append(k_i)
             vs.append(v_i)
             if i in capture_layers:
                 captured[i] = x
-        hidden = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+        hidden = rms_norm(x, self.final_norm[...], cfg.rms_norm_eps, cfg.norm_offset)
         if logits_at is False:
             logits = None
         elif logits_at is None:

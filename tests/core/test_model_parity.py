@@ -6,6 +6,7 @@ rope), both config.json rope layouts, sharded safetensors, and llama.cpp-style G
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -25,6 +26,10 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
 }
 LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+GEMMA3 = {"head_dim": 16, "query_pre_attn_scalar": 24, "num_hidden_layers": 3, "sliding_window": 128,
+          "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+          "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}}
 
 
 def tokens(batch=2, length=72, vocab=256, seed=0):
@@ -67,6 +72,10 @@ CASES = {
     "qwen3-attention-bias": ("qwen3", {"attention_bias": True}),
     "mistral": ("mistral", {}),
     "llama-tied-embeddings": ("llama", {"tie_word_embeddings": True}),
+    # Gemma 3: (1 + w) norms, four norms a layer, GeGLU, scaled embeddings, its own attention scale (24, not
+    # head_dim 16), and sliding-window layers with a rope base of their own; the window (128) holds the
+    # test sequence, so dense attention is exact (the loader caps max_position at it).
+    "gemma3": ("gemma3_text", GEMMA3),
 }
 
 
@@ -209,3 +218,36 @@ def test_bias_switches_follow_transformers(arch, attention_bias, tiny_hf):
     cfg = ModelConfig.from_hf(json.loads(model.config.to_json_string()))
     assert cfg.qkv_bias == ("model.layers.0.self_attn.q_proj.bias" in names)
     assert cfg.o_bias == ("model.layers.0.self_attn.o_proj.bias" in names)
+
+
+def test_gemma3_config_fields_and_both_rope_layouts(tiny_hf, tmp_path):
+    """The Gemma 3 switches land in the config; the transformers < 5 layout (rope_theta +
+    rope_local_base_freq) loads the same model; the sliding layers' own rope base matters."""
+    model = tiny_hf("gemma3_text", **GEMMA3)
+    new_dir, old_dir = tmp_path / "v5", tmp_path / "v4"
+    model.save_pretrained(new_dir)
+    model.save_pretrained(old_dir)
+    cfg_json = json.loads((old_dir / "config.json").read_text())
+    ropes = cfg_json.pop("rope_parameters")
+    cfg_json.update(rope_theta=ropes["full_attention"]["rope_theta"],
+                    rope_local_base_freq=ropes["sliding_attention"]["rope_theta"], rope_scaling=None)
+    (old_dir / "config.json").write_text(json.dumps(cfg_json))
+    new, old = load(new_dir), load(old_dir)
+    assert new.cfg == old.cfg
+    cfg = new.cfg
+    assert (cfg.norm_offset, cfg.activation, cfg.sandwich_norms, cfg.qk_norm) == (1.0, "gelu_tanh", True, True)
+    assert cfg.embed_scale == pytest.approx(64 ** 0.5) and cfg.query_scale == pytest.approx(24 ** -0.5)
+    assert cfg.rope.theta == 1_000_000.0 and cfg.local_rope.theta == 100.0 and cfg.max_position == 128
+    assert cfg.layer_rope(0) == cfg.local_rope and cfg.layer_rope(1) == cfg.rope
+    toks = tokens()
+    assert rel_err(eagle_logits(old, toks), hf_logits(model, toks)) <= TOL
+    # The same weights with one rope base for every layer: the logits move, so the test above pins the
+    # sliding layers' base.
+    from flax import nnx
+
+    from eagle_jax.model import from_arrays
+
+    arrays = {tuple(str(p) for p in path): np.asarray(v[...]) for path, v in nnx.to_flat_state(nnx.state(new.model))}
+    one_rope = eagle_jax.Target(model=from_arrays(dataclasses.replace(cfg, local_rope=cfg.rope), arrays),
+                                tokenizer=None, name="one-rope", source="test")
+    assert rel_err(eagle_logits(one_rope, toks), hf_logits(model, toks)) > 1e-3
