@@ -24,7 +24,8 @@ def rms_norm(x, weight, eps, offset: float = 0.0):
     """RMSNorm scaled by (offset + weight): offset 0 for Llama, 1 for Gemma (its weights sit around 0)."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * (offset + weight.astype(jnp.float32))).astype(x.dtype)
+    scale = weight.astype(jnp.float32) if offset == 0 else offset + weight.astype(jnp.float32)
+    return (xf * scale).astype(x.dtype)
 
 
 def apply_rope(x, positions, inv_freq):

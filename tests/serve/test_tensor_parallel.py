@@ -32,8 +32,14 @@ def test_documented_tensor_parallel_commands_serve_one_devices_greedy_text(tmp_p
                               "/models/EAGLE3-LLaMA3.1-Instruct-70B --speculation fixed:4,4,16 --tensor-parallel 8")
     pod = doc_command("python -m eagle_jax.serve --model /models/Llama-3.1-70B-Instruct --draft "
                       "/models/EAGLE3-LLaMA3.1-Instruct-70B --speculation fixed:4,4,16 --tensor-parallel 16")
-    results = {}
-    for name, degree, data, devices in (("one device", 1, 1, 1), ("one host", 8, 1, 8), ("data x model", 2, 2, 4)):
+    # One device's greedy text, in-process (the server's fixed tree with a random head is lossless, so it is
+    # plain decoding's; the server applies the same chat template).
+    import eagle_jax
+
+    target = eagle_jax.load_target(str(model))
+    results = {"one device": eagle_jax.generate(target, [[{"role": "user", "content": q}] for q in QUESTIONS],
+                                                max_new_tokens=24).texts}
+    for name, degree, data, devices in (("one host", 8, 1, 8), ("data x model", 2, 2, 4)):
         rows = ["--data-parallel", str(data), "--block-size", "0"] if data > 1 else []
         with open(tmp_path / f"{degree}.log", "w+") as log:
             proc, ready = start_server(single_host, *local, "--tensor-parallel", str(degree), *rows,
