@@ -103,15 +103,15 @@ class Engine(PreparedPrograms):
         else:
             prev = self.place(prev)
             cache, dcache = prev.cache, prev.draft_cache if self.head is not None else None
-        follow = np.full((b,), -1, np.int32) if follow is None else np.asarray(follow, np.int32)
+        follow = jnp.full((b,), -1, jnp.int32) if follow is None else jnp.asarray(follow, jnp.int32)
         tokens, prompt_lens, params, follow = self.place((jnp.asarray(tokens, jnp.int32),
                                                           jnp.asarray(prompt_lens, jnp.int32), params, follow))
         prog = None if window is not None else self.programs.get(
             self.prefill_key(b, tokens.shape[1], cache.max_len, self._draft_len(dcache), sampling, pages_of(cache)))
         if prog is not None:
-            return prog(self.state, self.head_state, tokens, prompt_lens, cache, dcache, params, jnp.asarray(follow))
+            return prog(self.state, self.head_state, tokens, prompt_lens, cache, dcache, params, follow)
         return steps.prefill(self.graphdef, self.state, self.head_graphdef, self.head_state, tokens, prompt_lens, cache,
-                             dcache, params, window, sampling, self.n_params, jnp.asarray(follow))
+                             dcache, params, window, sampling, self.n_params, follow)
 
     def run_step(self, s: steps.DecodeState, params, active, tree: TreeConfig | None, trace: bool = False,
                  window: int | None = None, sampling: bool = True):

@@ -218,7 +218,7 @@ def shard_target(target, tensor_parallel: int = 1, data_parallel: int = 1, devic
                           "processes (tensor_parallel) instead")
     mesh = make_mesh(tensor_parallel, data_parallel, devices)
     model = target.model
-    if mesh_shape(mesh) == mesh_shape(model.mesh) and (mesh is None or mesh == model.mesh):
+    if mesh == model.mesh:  # (None == None: already on one device)
         return target
     state = nnx.state(model)
     if mesh is None:

@@ -4,11 +4,12 @@ and two `jax.distributed` processes on localhost), against one device's greedy o
 from __future__ import annotations
 
 import os
+import subprocess
 
 import openai
 
 from builders import write_tiny_chat_model
-from doc_commands import doc_command, start_server
+from doc_commands import argv, doc_command, start_server
 
 QUESTIONS = ["Hello there", "Count: 1 2 3"]
 
@@ -55,10 +56,6 @@ def test_documented_tensor_parallel_commands_serve_one_devices_greedy_text(tmp_p
     logs = [open(tmp_path / f"process{i}.log", "w+") for i in range(2)]
     procs = []
     try:
-        import subprocess
-
-        from doc_commands import argv
-
         follower = subprocess.Popen(argv(pod, *local, "--tensor-parallel", "8", "--port", "0"),
                                     stdout=logs[1], stderr=logs[1], env=_env(4, **coordinator, JAX_PROCESS_ID="1"))
         procs.append(follower)
