@@ -79,6 +79,7 @@ class ModelConfig:
     query_scale: float | None = None  # attention scores' scale (None: head_dim ** -0.5)
     layer_types: tuple[str, ...] = ()  # per layer "full_attention" or "sliding_attention" (empty: all full)
     local_rope: RopeConfig | None = None  # the rope of sliding_attention layers (None: `rope`)
+    sliding_window: int | None = None  # keys a sliding_attention layer's query sees, its own included
 
     def __post_init__(self):
         if self.arch not in _ARCH_DEFAULTS:
@@ -102,6 +103,10 @@ class ModelConfig:
         bad = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
         if bad:
             raise ConfigError(f"layer_types holds {bad}: supported are full_attention and sliding_attention")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError(f"sliding_window must be positive, got {self.sliding_window}")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise ConfigError("layer_types has sliding_attention layers but sliding_window is not set")
 
     def layer_rope(self, i: int) -> RopeConfig:
         """The rope of layer i (a sliding-window layer may have its own base)."""
@@ -161,7 +166,7 @@ class ModelConfig:
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             rope=rope,
             tie_embeddings=bool(hf.get("tie_word_embeddings", model_type == "gemma3_text")),
-            max_position=_max_position(hf),
+            max_position=_max_position(hf, switches.get("sliding_window")),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
             **switches,
@@ -190,15 +195,17 @@ def _gemma3_fields(hf: Mapping[str, Any], hidden: int, source: str) -> dict[str,
         pattern = int(hf.get("sliding_window_pattern", 6))
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
     return {"rope": rope, "local_rope": local, "layer_types": tuple(types), "embed_scale": float(hidden) ** 0.5,
-            "query_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5}
+            "query_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+            "sliding_window": int(hf.get("sliding_window") or 4096)}
 
 
-def _max_position(hf: Mapping[str, Any]) -> int:
+def _max_position(hf: Mapping[str, Any], exact_window: int | None = None) -> int:
     limit = int(hf.get("max_position_embeddings", 4096))
     window = hf.get("sliding_window")
-    if window and (hf.get("use_sliding_window", True)) and int(window) < limit:
-        # Attention here is dense: it equals sliding-window attention only while the whole context fits
-        # in the window, so the window is the usable context length.
+    if window and not exact_window and (hf.get("use_sliding_window", True)) and int(window) < limit:
+        # Mistral / Qwen2 attention here is dense: it equals their sliding-window attention only while the
+        # whole context fits in the window, so the window is the usable context length. (Gemma 3's
+        # sliding-window layers are exact at any length: `sliding_window`.)
         limit = int(window)
     return limit
 

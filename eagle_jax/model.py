@@ -22,7 +22,8 @@ from flax import nnx
 
 from eagle_jax.config import ModelConfig
 from eagle_jax.kv_cache import KVCache
-from eagle_jax.layers import cached_attention, causal_mask, layer_tail, param_factories, project_qkv, rms_norm
+from eagle_jax.layers import (cached_attention, causal_mask, layer_tail, param_factories, project_qkv, rms_norm,
+                              sliding_window)
 
 
 @jax.tree_util.register_dataclass
@@ -58,9 +59,10 @@ class Block(nnx.Module):
         self.w_down = w(F, H)
 
     def __call__(self, x, k_cache, v_cache, *, cfg: ModelConfig, positions, lengths, tree_mask, window=None,
-                 table=None, mesh=None, rope=None):
+                 table=None, mesh=None, rope=None, key_starts=None):
         """x [B,T,H]; this layer's caches [B,S,K,D] (block pools with a paged cache's table); rope: this
-        layer's (default cfg.rope). Returns (x, k_cache, v_cache)."""
+        layer's (default cfg.rope); key_starts: a sliding-window layer's first visible slots (its window
+        already folded into tree_mask; see `layers.sliding_window`). Returns (x, k_cache, v_cache)."""
         eps, off = cfg.rms_norm_eps, cfg.norm_offset
         q, k, v = project_qkv(
             rms_norm(x, self.attn_norm[...], eps, off), self.wq[...], self.wk[...], self.wv[...],
@@ -69,7 +71,8 @@ class Block(nnx.Module):
             biases=(self.bq[...], self.bk[...], self.bv[...]) if cfg.qkv_bias else None,
             qk_norms=(self.q_norm[...], self.k_norm[...]) if cfg.qk_norm else None)
         attn, k_cache, v_cache = cached_attention(q, k, v, k_cache, v_cache, starts=lengths, lengths=lengths,
-                                                  tree_mask=tree_mask, window=window, table=table, mesh=mesh)
+                                                  tree_mask=tree_mask, window=window, table=table, mesh=mesh,
+                                                  key_starts=key_starts)
         sandwich = cfg.sandwich_norms
         x = layer_tail(x, attn, self.wo[...], self.mlp_norm[...], self.w_gate[...], self.w_up[...],
                        self.w_down[...], eps, bo=self.bo[...] if cfg.o_bias else None, norm_offset=off,
@@ -134,12 +137,16 @@ class Transformer(nnx.Module):
         if bad:
             raise ValueError(f"capture_layers {bad} out of range for a {cfg.num_layers}-layer model")
         x = self.embed_tokens(tokens)  # [B, T, H]
+        windowed = None  # (key_starts, tree mask) of the sliding-window layers
+        if cfg.sliding_window and "sliding_attention" in cfg.layer_types:
+            windowed = sliding_window(positions, tree_mask, cfg.sliding_window)
         captured = {}
         ks, vs = [], []
         for i, block in enumerate(self.layers):
-            x, k_i, v_i = block(x, cache.k[i], cache.v[i], cfg=cfg, positions=positions,
-                                lengths=cache.lengths, tree_mask=tree_mask, window=window, table=cache.table,
-                                mesh=self.mesh, rope=cfg.layer_rope(i))
+            local = windowed is not None and cfg.layer_types[i] == "sliding_attention"
+            x, k_i, v_i = block(x, cache.k[i], cache.v[i], cfg=cfg, positions=positions, lengths=cache.lengths,
+                                tree_mask=windowed[1] if local else tree_mask, window=window, table=cache.table,
+                                mesh=self.mesh, rope=cfg.layer_rope(i), key_starts=windowed[0] if local else None)
             ks.append(k_i)
             vs.append(v_i)
             if i in capture_layers:

@@ -17,8 +17,10 @@ import jax
 import jax.numpy as jnp
 
 
-def paged_tree_attention_chunked(q, k_pool, v_pool, table, lengths, tree_mask, *, chunk: int = 128):
-    """q [B,N,Hq,D]; pools [P,block,K,D]; table [B,NB] int32; lengths [B]; tree_mask [B,N,M] bool.
+def paged_tree_attention_chunked(q, k_pool, v_pool, table, lengths, tree_mask, *, key_starts=None,
+                                 chunk: int = 128):
+    """q [B,N,Hq,D]; pools [P,block,K,D]; table [B,NB] int32; lengths [B]; tree_mask [B,N,M] bool;
+    key_starts [B,N] int32 or None (a sliding window: the first prefix slot each query sees).
     Same contract as `tree_attention_reference` on the rows' gathered caches; chunk: logical slots a
     loop iteration reads (rounded to whole blocks)."""
     b, n, hq, d = q.shape
@@ -32,6 +34,8 @@ def paged_tree_attention_chunked(q, k_pool, v_pool, table, lengths, tree_mask, *
     c = per * bs
     reach = jnp.max(lengths) + m  # slots the longest row's queries may see
     trips = jnp.minimum((reach + c - 1) // c, total)
+    # With a window, chunks wholly before every query's first slot are skipped.
+    first = 0 if key_starts is None else jnp.minimum(jnp.min(key_starts) // c, trips)
     qg = q.reshape(b, n, kv, g, d).astype(jnp.float32) * (1.0 / jnp.sqrt(jnp.float32(d)))
 
     def body(i, carry):
@@ -43,7 +47,10 @@ def paged_tree_attention_chunked(q, k_pool, v_pool, table, lengths, tree_mask, *
         in_prefix, in_tree = rel < 0, (rel >= 0) & (rel < m)
         tree_vis = jnp.take_along_axis(tree_mask, jnp.broadcast_to(jnp.clip(rel, 0, m - 1)[:, None, :], (b, n, c)),
                                        axis=2)
-        visible = in_prefix[:, None, :] | (in_tree[:, None, :] & tree_vis)  # [B, N, C]
+        prefix_vis = in_prefix[:, None, :]
+        if key_starts is not None:
+            prefix_vis = prefix_vis & (i * c + jnp.arange(c)[None, None, :] >= key_starts[:, :, None])
+        visible = prefix_vis | (in_tree[:, None, :] & tree_vis)  # [B, N, C]
         vc = jnp.where((in_prefix | in_tree)[:, :, None, None], vc, 0)  # slots past the tree may hold NaN
         s = jnp.einsum("BNKGD,BCKD->BKGNC", qg, kc, preferred_element_type=jnp.float32)
         s = jnp.where(visible[:, None, None], s, -jnp.inf)
@@ -56,6 +63,6 @@ def paged_tree_attention_chunked(q, k_pool, v_pool, table, lengths, tree_mask, *
 
     init = (jnp.zeros((b, kv, g, n, d), jnp.float32), jnp.full((b, kv, g, n), -jnp.inf, jnp.float32),
             jnp.zeros((b, kv, g, n), jnp.float32))
-    acc, _, den = jax.lax.fori_loop(0, trips, body, init)
+    acc, _, den = jax.lax.fori_loop(first, trips, body, init)
     out = acc / jnp.where(den > 0, den, 1.0)[..., None]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, n, hq, d).astype(q.dtype)

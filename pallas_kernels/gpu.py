@@ -16,6 +16,10 @@ max and sum, and a small jnp epilogue merges the splits. Triton has no scalar pr
 refs: lengths are an ordinary input read with one scalar load, and the running max / sum /
 accumulator are loop carries (registers).
 
+A sliding window (`key_starts`) adds one input, each query row's first visible slot: prefix tiles mask
+slots before it, and the prefix loop starts at the block holding the row tile's earliest start, so
+blocks wholly before every row's window are never visited.
+
 Paged caches (`paged_tree_attention_gpu`): the program sees the whole pool of its KV head, [P * block,
 D], and its row's block table; a prefix tile loads the table entries of its slots and gathers its rows
 (masked past the length and for -1 entries, so no load goes through a -1 entry). Tiles need not line
@@ -41,12 +45,15 @@ from pallas_kernels.block_sizes import BlockSizes
 _MASKED = -1e30  # finite, so exp(m_prev - m_next) never sees inf - inf
 
 
-def _attention_kernel(lengths_ref, *refs, pool_block: int | None, block_kv: int, blocks_per_split: int,
-                      block_tree: int, tree_steps: int, scale: float):
+def _attention_kernel(lengths_ref, *refs, pool_block: int | None, windowed: bool, block_kv: int,
+                      blocks_per_split: int, block_tree: int, tree_steps: int, scale: float):
     # lengths_ref [B]; when paged (pool_block set) table_ref [NB'] (this row's block table); q_ref [bq, D];
     # k_ref / v_ref this head's cache: [S, D] (this row) or [P * block, D] (the whole pool);
     # kt_ref / vt_ref [M', D] (tree keys); mask_ref [bq, M'] int32;
-    # outputs (this split): acc_ref [bq, D], m_ref / l_ref [bq], all f32.
+    # outputs (this split): acc_ref [bq, D], m_ref / l_ref [bq], all f32. windowed: starts_ref [bq] int32
+    # (each row's first visible slot) comes right after the lengths.
+    if windowed:
+        starts_ref, refs = refs[0], refs[1:]
     if pool_block is not None:
         table_ref, refs = refs[0], refs[1:]
     q_ref, k_ref, v_ref, kt_ref, vt_ref, mask_ref, acc_ref, m_ref, l_ref = refs
@@ -83,7 +90,10 @@ def _attention_kernel(lengths_ref, *refs, pool_block: int | None, block_kv: int,
         load_mask = jnp.broadcast_to(live[:, None], (block_kv, head_dim))
         k = plgpu.load(k_ref.at[index], mask=load_mask, other=0.0)  # [bkv, D]
         v = plgpu.load(v_ref.at[index], mask=load_mask, other=0.0)
-        return accumulate(carry, k, v, jnp.broadcast_to(visible[None, :], (block_q, block_kv)))
+        visible = jnp.broadcast_to(visible[None, :], (block_q, block_kv))
+        if windowed:
+            visible = visible & (slot[None, :] >= starts_ref[...][:, None])
+        return accumulate(carry, k, v, visible)
 
     def tree_block(t, carry):
         start = pl.multiple_of(t * block_tree, block_tree)
@@ -96,7 +106,10 @@ def _attention_kernel(lengths_ref, *refs, pool_block: int | None, block_kv: int,
              jnp.zeros((block_q, head_dim), jnp.float32))
     first = split * blocks_per_split
     needed = jax.lax.div(length + block_kv - 1, block_kv)  # prefix blocks the row has
-    carry = jax.lax.fori_loop(first, jnp.minimum(first + blocks_per_split, needed), prefix_block, carry)
+    end = jnp.minimum(first + blocks_per_split, needed)
+    if windowed:  # blocks before every row's window hold nothing this tile sees
+        first = jnp.maximum(first, jax.lax.div(jnp.min(starts_ref[...]), block_kv))
+    carry = jax.lax.fori_loop(first, end, prefix_block, carry)
     tree_trips = jnp.where(split == num_splits - 1, tree_steps, 0)
     m, l, acc = jax.lax.fori_loop(0, tree_trips, tree_block, carry)
     acc_ref[...] = acc
@@ -141,10 +154,11 @@ def _check(d: int, interpret, block_sizes):
     return block_sizes or BlockSizes.gpu_default()
 
 
-def _attention_call(lengths, table, q_rows, k_cache, v_cache, k_tree, v_tree, mask, *, pool_block, bs, splits,
-                    blocks_per_split, block_q, block_tree, tree_steps, interpret, name):
-    """The pallas_call both entry points share. q_rows [B, K, R', D]; caches [B, S, K, D] (table None) or
-    pools viewed as [P * block, K, D] with table [B, NB']; returns the splits' (acc, max, sum)."""
+def _attention_call(lengths, starts, table, q_rows, k_cache, v_cache, k_tree, v_tree, mask, *, pool_block, bs,
+                    splits, blocks_per_split, block_q, block_tree, tree_steps, interpret, name):
+    """The pallas_call both entry points share. q_rows [B, K, R', D]; starts [B, R'] or None (no window);
+    caches [B, S, K, D] (table None) or pools viewed as [P * block, K, D] with table [B, NB']; returns the
+    splits' (acc, max, sum)."""
     b, k, rows_padded, d = q_rows.shape
     m_padded = k_tree.shape[2]
     if table is None:
@@ -154,7 +168,9 @@ def _attention_call(lengths, table, q_rows, k_cache, v_cache, k_tree, v_tree, ma
     else:
         cache_spec = [pl.BlockSpec((k_cache.shape[0], None, d), lambda bi, h, qi, sp: (0, h, 0))]
         tables = [pl.BlockSpec((None, table.shape[1]), lambda bi, h, qi, sp: (bi, 0))]
-    kernel = functools.partial(_attention_kernel, pool_block=pool_block, block_kv=bs.block_kv,
+    windows = [] if starts is None else [pl.BlockSpec((None, block_q), lambda bi, h, qi, sp: (bi, qi))]
+    kernel = functools.partial(_attention_kernel, pool_block=pool_block, windowed=starts is not None,
+                               block_kv=bs.block_kv,
                                blocks_per_split=blocks_per_split, block_tree=block_tree, tree_steps=tree_steps,
                                scale=float(d) ** -0.5)
     f32 = jnp.float32
@@ -166,6 +182,7 @@ def _attention_call(lengths, table, q_rows, k_cache, v_cache, k_tree, v_tree, ma
         grid=(b, k, rows_padded // block_q, splits),
         in_specs=[
             pl.BlockSpec((b,), lambda bi, h, qi, sp: (0,)),
+            *windows,
             *tables,
             pl.BlockSpec((None, None, block_q, d), lambda bi, h, qi, sp: (bi, h, qi, 0)),
             *cache_spec, *cache_spec,
@@ -181,17 +198,19 @@ def _attention_call(lengths, table, q_rows, k_cache, v_cache, k_tree, v_tree, ma
         compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
         interpret=interpret,
         name=name,
-    )(lengths, *([] if table is None else [table]), q_rows, k_cache, v_cache, k_tree, v_tree, mask)
+    )(lengths, *([] if starts is None else [starts]), *([] if table is None else [table]), q_rows, k_cache, v_cache,
+      k_tree, v_tree, mask)
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
-def tree_attention_gpu(q, k_cache, v_cache, lengths, tree_mask, *, block_sizes: BlockSizes | None = None,
-                       interpret=False):
+def tree_attention_gpu(q, k_cache, v_cache, lengths, tree_mask, *, key_starts=None,
+                       block_sizes: BlockSizes | None = None, interpret=False):
     """Tree attention, GPU (Triton) kernel. Same contract as `tree_attention_reference`.
 
     interpret: False (compile with Triton) or True (Pallas' generic interpreter, any backend).
     """
     b, n, m, s, k, g, d = layout.check_inputs(q, k_cache, v_cache, lengths, tree_mask)
+    layout.check_key_starts(key_starts, b, n)
     bs = _check(d, interpret, block_sizes)
     block_q, rows_padded, splits, per_split, block_tree, tree_steps, m_padded = _tiles(n, g, m, s, b * k, bs)
 
@@ -200,8 +219,9 @@ def tree_attention_gpu(q, k_cache, v_cache, lengths, tree_mask, *, block_sizes: 
     k_tree = layout.tree_keys(k_cache, lengths, m, m_padded)  # [B, K, M', D]
     v_tree = layout.tree_keys(v_cache, lengths, m, m_padded)
     mask = layout.row_mask(tree_mask, lengths, s, g, rows_padded, m_padded)  # [B, R', M']
+    starts = None if key_starts is None else layout.row_starts(key_starts, g, rows_padded)
     acc, m_run, l_run = _attention_call(
-        lengths, None, q_rows, k_cache, v_cache, k_tree, v_tree, mask, pool_block=None, bs=bs, splits=splits,
+        lengths, starts, None, q_rows, k_cache, v_cache, k_tree, v_tree, mask, pool_block=None, bs=bs, splits=splits,
         blocks_per_split=per_split, block_q=block_q, block_tree=block_tree, tree_steps=tree_steps,
         interpret=interpret, name="tree_attention_gpu")
     return layout.unfold_rows(merge_splits(acc, m_run, l_run, q.dtype), n, g)
@@ -209,7 +229,7 @@ def tree_attention_gpu(q, k_cache, v_cache, lengths, tree_mask, *, block_sizes: 
 
 @functools.partial(jax.jit, static_argnames=("window", "block_sizes", "interpret"))
 def paged_tree_attention_gpu(q, k_pool, v_pool, block_table, lengths, tree_mask, *, window: int | None = None,
-                             block_sizes: BlockSizes | None = None, interpret=False):
+                             key_starts=None, block_sizes: BlockSizes | None = None, interpret=False):
     """Tree attention over a paged cache, GPU (Triton) kernel; same contract as
     `paged_tree_attention_reference`.
 
@@ -219,6 +239,7 @@ def paged_tree_attention_gpu(q, k_pool, v_pool, block_table, lengths, tree_mask,
     """
     b, n, m, s, k, g, d, block, entries = layout.check_paged_inputs(q, k_pool, v_pool, block_table, lengths,
                                                                      tree_mask, window)
+    layout.check_key_starts(key_starts, b, n)
     bs = _check(d, interpret, block_sizes)
     block_q, rows_padded, splits, per_split, block_tree, tree_steps, m_padded = _tiles(n, g, m, s, b * k, bs)
 
@@ -226,8 +247,9 @@ def paged_tree_attention_gpu(q, k_pool, v_pool, block_table, lengths, tree_mask,
         q, k_pool, v_pool, block_table, lengths, tree_mask, entries=entries, num_slots=s, rows_padded=rows_padded,
         m_padded=m_padded)
     flat = (k_pool.shape[0] * block, k, d)  # free: a pool block's slots are contiguous
+    starts = None if key_starts is None else layout.row_starts(key_starts, g, rows_padded)
     acc, m_run, l_run = _attention_call(
-        jnp.minimum(lengths, s), table, q_rows, k_pool.reshape(flat), v_pool.reshape(flat), k_tree, v_tree, mask,
+        jnp.minimum(lengths, s), starts, table, q_rows, k_pool.reshape(flat), v_pool.reshape(flat), k_tree, v_tree, mask,
         pool_block=block, bs=bs, splits=splits, blocks_per_split=per_split, block_q=block_q, block_tree=block_tree,
         tree_steps=tree_steps, interpret=interpret, name="paged_tree_attention_gpu")
     return layout.unfold_rows(merge_splits(acc, m_run, l_run, q.dtype), n, g)

@@ -89,6 +89,19 @@ def row_mask(tree_mask, lengths, num_slots: int, g: int, rows_padded: int, m_pad
     return jnp.pad(rows, ((0, 0), (0, rows_padded - n * g), (0, m_padded - m)))
 
 
+def row_starts(key_starts, g: int, rows_padded: int):
+    """[B, N] first visible prefix slots (a sliding window) -> [B, R'] int32, one per (n, g) row; padding
+    rows start past any cache (they see no prefix, and do not hold back a tile's earliest start)."""
+    b, n = key_starts.shape
+    rows = jnp.repeat(key_starts.astype(jnp.int32), g, axis=1)
+    return jnp.pad(rows, ((0, 0), (0, rows_padded - n * g)), constant_values=2 ** 30)
+
+
+def check_key_starts(key_starts, b: int, n: int):
+    if key_starts is not None and tuple(key_starts.shape) != (b, n):
+        raise ValueError(f"key_starts must be [B, N] = [{b}, {n}], got {tuple(key_starts.shape)}")
+
+
 def as_lengths(lengths):
     return jnp.asarray(lengths, jnp.int32)
 

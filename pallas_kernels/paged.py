@@ -11,6 +11,9 @@ window (static): only the row's slots [0, window) exist for the call, i.e. its f
 ceil(window / block) table entries, so the cost follows the window, not the table; the caller
 guarantees lengths + M <= window. None: the whole table.
 
+key_starts [B, N] (optional): a sliding window, as for `tree_attention`: query n sees prefix slots
+[key_starts[b, n], length) only.
+
 Implementations, chosen like `tree_attention`'s (backend default, `use_implementation`, explicit):
   "reference"  pure jnp (`pallas_kernels.chunked`): walks the rows' blocks a chunk at a time, as far as
                the longest row reaches, so its cost follows the longest sequence in the batch whatever
@@ -48,21 +51,24 @@ def gather_blocks(pool, block_table, window: int | None = None):
 
 
 def paged_tree_attention_reference(q, k_pool, v_pool, block_table, lengths, tree_mask, *,
-                                   window: int | None = None, block_sizes: BlockSizes | None = None,
+                                   window: int | None = None, key_starts=None, block_sizes: BlockSizes | None = None,
                                    interpret=False):
     """Pure-jnp paged tree attention: `tree_attention_reference` over `gather_blocks` of both pools."""
     del block_sizes, interpret  # same signature as the kernels
     layout.check_paged_inputs(q, k_pool, v_pool, block_table, lengths, tree_mask, window)
     return tree_attention_reference(q, gather_blocks(k_pool, block_table, window),
-                                    gather_blocks(v_pool, block_table, window), lengths, tree_mask)
+                                    gather_blocks(v_pool, block_table, window), lengths, tree_mask,
+                                    key_starts=key_starts)
 
 
 def paged_tree_attention(q, k_pool, v_pool, block_table, lengths, tree_mask, *, window: int | None = None,
-                         interpret=False, implementation: str | None = None, block_sizes: BlockSizes | None = None):
+                         key_starts=None, interpret=False, implementation: str | None = None,
+                         block_sizes: BlockSizes | None = None):
     """Tree attention over a paged cache through the best implementation (see the module docstring).
 
     q [B, N, Hq, D]; k_pool / v_pool [P, block, Hkv, D]; block_table [B, NB] int32 (-1: no block);
-    lengths [B] int32; tree_mask [B, N, M] bool; window: static int or None. Returns [B, N, Hq, D] in
+    lengths [B] int32; tree_mask [B, N, M] bool; window: static int or None; key_starts [B, N] int32 or
+    None (a sliding window). Returns [B, N, Hq, D] in
     q's dtype, equal up to rounding to `tree_attention_reference` over `gather_blocks(...)` of the pools.
 
     interpret / implementation / block_sizes: as for `tree_attention` (and `use_implementation`).
@@ -73,12 +79,13 @@ def paged_tree_attention(q, k_pool, v_pool, block_table, lengths, tree_mask, *, 
         from pallas_kernels.tpu import paged_tree_attention_tpu  # kernel modules load only when used
 
         return paged_tree_attention_tpu(q, k_pool, v_pool, block_table, lengths, tree_mask, window=window,
-                                        block_sizes=block_sizes, interpret=interpret)
+                                        key_starts=key_starts, block_sizes=block_sizes, interpret=interpret)
     if implementation == "gpu":
         from pallas_kernels.gpu import paged_tree_attention_gpu
 
         return paged_tree_attention_gpu(q, k_pool, v_pool, block_table, lengths, tree_mask, window=window,
-                                        block_sizes=block_sizes, interpret=interpret)
+                                        key_starts=key_starts, block_sizes=block_sizes, interpret=interpret)
     layout.check_paged_inputs(q, k_pool, v_pool, block_table, lengths, tree_mask, window)
     entries, _ = layout.window_blocks(block_table.shape[1], k_pool.shape[1], window)
-    return paged_tree_attention_chunked(q, k_pool, v_pool, block_table[:, :entries], lengths, tree_mask)
+    return paged_tree_attention_chunked(q, k_pool, v_pool, block_table[:, :entries], lengths, tree_mask,
+                                        key_starts=key_starts)

@@ -21,6 +21,11 @@ sends them to the reference until they are validated on TPU hardware.
 NaN safety: scores of invisible keys are replaced (`where`, never multiplied) and cache values past
 the row's length are zeroed before the p @ v product, so NaN in unused slots cannot reach the output.
 
+Sliding window (`key_starts`): each query row's first visible slot arrives as one more input, [bq, 1]
+per tile, and prefix slots before it are masked. The tiles' earliest starts are scalar-prefetched too:
+the contiguous kernel's index map clamps to the block holding its tile's earliest start, so blocks wholly
+before the window cost neither a DMA nor compute (the paged kernel skips their compute only).
+
 Paged caches (`paged_tree_attention_tpu`): the prefix steps read pool blocks instead of cache slabs. The
 block table arrives by scalar prefetch too, re-encoded per step (`_paged_steps`) so that an index map
 names the block to DMA directly; a grid step takes `sub_blocks` whole pool blocks, each its own input
@@ -46,19 +51,26 @@ _LANES = 128  # running max / sum are kept lane-replicated, [rows, 128], a nativ
 _MAX_SUB_BLOCKS = 8  # default cap on pool blocks per grid step of the paged kernel
 
 
-def _attention_kernel(lengths_ref, *refs, paged: bool, sub_blocks: int, num_kv_heads: int, head_dim: int,
-                      block_kv: int, prefix_steps: int, tree_steps: int, scale: float):
-    # Scalar prefetch: lengths_ref [B] and, when paged, steps_ref [B * prefix_steps * sub_blocks] (see
-    # `_paged_steps`). Then q_ref [K, bq, D]; sub_blocks k refs, then as many v refs, each [bkv, K*D] (a
-    # cache slab, or one pool block); kt_ref / vt_ref [K, bt, D] (tree keys); mask_ref [bq, bt] int32;
-    # o_ref [K, bq, D]; scratch m_ref / l_ref [K, bq, 128], acc_ref [K, bq, D].
+def _attention_kernel(lengths_ref, *refs, paged: bool, windowed: bool, sub_blocks: int, num_kv_heads: int,
+                      head_dim: int, block_kv: int, prefix_steps: int, tree_steps: int, scale: float):
+    # Scalar prefetch: lengths_ref [B]; when windowed, lows_ref [B * row tiles] (each tile's earliest
+    # first slot); when paged, steps_ref [B * prefix_steps * sub_blocks] (see `_paged_steps`). Then q_ref
+    # [K, bq, D]; sub_blocks k refs, then as many v refs, each [bkv, K*D] (a cache slab, or one pool
+    # block); kt_ref / vt_ref [K, bt, D] (tree keys); mask_ref [bq, bt] int32; when windowed, starts_ref
+    # [bq, 1] int32; o_ref [K, bq, D]; scratch m_ref / l_ref [K, bq, 128], acc_ref [K, bq, D].
+    if windowed:
+        lows_ref, refs = refs[0], refs[1:]
     if paged:
         steps_ref, refs = refs[0], refs[1:]
     q_ref, k_refs, v_refs = refs[0], refs[1:1 + sub_blocks], refs[1 + sub_blocks:1 + 2 * sub_blocks]
-    kt_ref, vt_ref, mask_ref, o_ref, m_ref, l_ref, acc_ref = refs[1 + 2 * sub_blocks:]
+    kt_ref, vt_ref, mask_ref = refs[1 + 2 * sub_blocks:4 + 2 * sub_blocks]
+    if windowed:
+        starts_ref, refs = refs[4 + 2 * sub_blocks], refs[:4 + 2 * sub_blocks] + refs[5 + 2 * sub_blocks:]
+    o_ref, m_ref, l_ref, acc_ref = refs[4 + 2 * sub_blocks:]
     b = pl.program_id(0)
     step = pl.program_id(2)
     length = lengths_ref[b]
+    low = lows_ref[b * pl.num_programs(1) + pl.program_id(1)] if windowed else 0
     block_q = q_ref.shape[1]
 
     @pl.when(step == 0)
@@ -87,7 +99,11 @@ def _attention_kernel(lengths_ref, *refs, paged: bool, sub_blocks: int, num_kv_h
         index = step * sub_blocks + j  # logical KV block
         start = index * block_kv
 
-        @pl.when((step < prefix_steps) & (start < length))
+        needed = (step < prefix_steps) & (start < length)
+        if windowed:
+            needed = needed & (start + k_refs[j].shape[0] > low)
+
+        @pl.when(needed)
         def _prefix():
             # Slots [start, kept) hold data: all of the prefix in the block, or none when the row holds
             # no pool block there (it reads as zeros: visible, score 0, value 0).
@@ -95,7 +111,10 @@ def _attention_kernel(lengths_ref, *refs, paged: bool, sub_blocks: int, num_kv_h
             if paged:
                 kept = jnp.where(steps_ref[b * prefix_steps * sub_blocks + index] >= 0, length, start)
             bk = k_refs[j].shape[0]
-            visible = jax.lax.broadcasted_iota(jnp.int32, (block_q, bk), 1) + start < length  # [bq, bkv]
+            slot = jax.lax.broadcasted_iota(jnp.int32, (block_q, bk), 1) + start
+            visible = slot < length  # [bq, bkv]
+            if windowed:
+                visible = visible & (slot >= starts_ref[...])
             live = jax.lax.broadcasted_iota(jnp.int32, (bk, head_dim), 0) + start < kept  # [bkv, D]
             for h in range(num_kv_heads):
                 k = k_refs[j][:, h * head_dim:(h + 1) * head_dim]  # [bkv, D]
@@ -130,10 +149,11 @@ def _row_tiles(rows: int, m: int, block_sizes: BlockSizes, interpret):
     return block_q, layout.round_up(rows, block_q), block_tree, tree_steps, tree_steps * block_tree
 
 
-def _attention_call(scalars, q_rows, ks, vs, kv_specs, k_tree, v_tree, mask, *, paged, block_kv, prefix_steps,
-                    block_q, block_tree, tree_steps, interpret, name):
+def _attention_call(scalars, q_rows, ks, vs, kv_specs, k_tree, v_tree, mask, starts, *, paged, block_kv,
+                    prefix_steps, block_q, block_tree, tree_steps, interpret, name):
     """The pallas_call both entry points share: q_rows [B, K, R', D]; ks / vs the cache inputs of the
-    kernel's sub-blocks with their BlockSpecs kv_specs; returns [B, K, R', D]."""
+    kernel's sub-blocks with their BlockSpecs kv_specs; starts [B, R', 1] or None (no window; else the
+    scalars hold the tiles' earliest starts after the lengths); returns [B, K, R', D]."""
     b, k, rows_padded, d = q_rows.shape
 
     def rows_map(bi, qi, i, *_):
@@ -145,7 +165,9 @@ def _attention_call(scalars, q_rows, ks, vs, kv_specs, k_tree, v_tree, mask, *, 
     def mask_map(bi, qi, i, *_):
         return bi, qi, jnp.clip(i - prefix_steps, 0, tree_steps - 1)
 
-    kernel = functools.partial(_attention_kernel, paged=paged, sub_blocks=len(ks), num_kv_heads=k, head_dim=d,
+    windowed = starts is not None
+    kernel = functools.partial(_attention_kernel, paged=paged, windowed=windowed, sub_blocks=len(ks),
+                               num_kv_heads=k, head_dim=d,
                                block_kv=block_kv, prefix_steps=prefix_steps, tree_steps=tree_steps,
                                scale=float(d) ** -0.5)
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -157,6 +179,7 @@ def _attention_call(scalars, q_rows, ks, vs, kv_specs, k_tree, v_tree, mask, *, 
             pl.BlockSpec((None, k, block_tree, d), tree_map),
             pl.BlockSpec((None, k, block_tree, d), tree_map),
             pl.BlockSpec((None, block_q, block_tree), mask_map),
+            *([pl.BlockSpec((None, block_q, 1), lambda bi, qi, i, *_: (bi, qi, 0))] if windowed else []),
         ],
         out_specs=pl.BlockSpec((None, k, block_q, d), rows_map),
         scratch_shapes=[
@@ -172,18 +195,28 @@ def _attention_call(scalars, q_rows, ks, vs, kv_specs, k_tree, v_tree, mask, *, 
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name=name,
-    )(*scalars, q_rows, *ks, *vs, k_tree, v_tree, mask)
+    )(*scalars, q_rows, *ks, *vs, k_tree, v_tree, mask, *([starts] if windowed else []))
+
+
+def _window_operands(key_starts, g: int, rows_padded: int, block_q: int):
+    """(starts [B, R', 1], each row tile's earliest start [B * R' / bq]) of a sliding window, or (None, None)."""
+    if key_starts is None:
+        return None, None
+    rows = layout.row_starts(key_starts, g, rows_padded)  # [B, R']
+    lows = jnp.min(rows.reshape(rows.shape[0], rows_padded // block_q, block_q), axis=2).reshape(-1)
+    return rows[:, :, None], lows
 
 
 @functools.partial(jax.jit, static_argnames=("block_sizes", "interpret"))
-def tree_attention_tpu(q, k_cache, v_cache, lengths, tree_mask, *, block_sizes: BlockSizes | None = None,
-                       interpret=False):
+def tree_attention_tpu(q, k_cache, v_cache, lengths, tree_mask, *, key_starts=None,
+                       block_sizes: BlockSizes | None = None, interpret=False):
     """Tree attention, TPU kernel. Same contract as `tree_attention_reference`.
 
     interpret: False (compile with Mosaic), True (Pallas' generic interpreter) or a
     `pltpu.InterpretParams()` (the TPU interpreter, which also models DMAs and VMEM).
     """
     b, n, m, s, k, g, d = layout.check_inputs(q, k_cache, v_cache, lengths, tree_mask)
+    layout.check_key_starts(key_starts, b, n)
     bs = block_sizes or BlockSizes.tpu_default()
     block_q, rows_padded, block_tree, tree_steps, m_padded = _row_tiles(n * g, m, bs, interpret)
     block_kv = bs.block_kv if s >= bs.block_kv else s  # a short cache is one whole-dim block
@@ -194,16 +227,22 @@ def tree_attention_tpu(q, k_cache, v_cache, lengths, tree_mask, *, block_sizes: 
     v_tree = layout.tree_keys(v_cache, lengths, m, m_padded)
     mask = layout.row_mask(tree_mask, lengths, s, g, rows_padded, m_padded)  # [B, R', M']
 
-    def cache_map(bi, qi, i, lens):
+    starts, lows = _window_operands(key_starts, g, rows_padded, block_q)
+
+    def cache_map(bi, qi, i, lens, *window):
         # The row's last prefix block; lax.div truncates like floor here (non-negative operands)
         # and, unlike `//`, needs no sign fix-up in the scalar core.
         last = jnp.maximum(jax.lax.div(lens[bi] + block_kv - 1, block_kv) - 1, 0)
+        if window:  # blocks before the tile's window repeat its first block: no DMA
+            first = jax.lax.div(window[0][bi * (rows_padded // block_q) + qi], block_kv)
+            i = jnp.maximum(i, first)
         return bi, jnp.minimum(i, last), 0
 
     slab_spec = pl.BlockSpec((None, block_kv, k * d), cache_map)
     out = _attention_call(
-        (lengths,), q_rows, [k_cache.reshape(b, s, k * d)], [v_cache.reshape(b, s, k * d)], [slab_spec],
-        k_tree, v_tree, mask, paged=False, block_kv=block_kv, prefix_steps=layout.cdiv(s, block_kv),
+        (lengths,) + (() if lows is None else (lows,)), q_rows, [k_cache.reshape(b, s, k * d)],
+        [v_cache.reshape(b, s, k * d)], [slab_spec], k_tree, v_tree, mask, starts, paged=False, block_kv=block_kv,
+        prefix_steps=layout.cdiv(s, block_kv),
         block_q=block_q, block_tree=block_tree, tree_steps=tree_steps, interpret=interpret, name="tree_attention_tpu")
     return layout.unfold_rows(out, n, g)  # (reshapes above are free: heads are contiguous per slot)
 
@@ -247,7 +286,7 @@ def paged_tiles(block: int, entries: int, block_sizes: BlockSizes | None) -> int
 
 @functools.partial(jax.jit, static_argnames=("window", "block_sizes", "interpret"))
 def paged_tree_attention_tpu(q, k_pool, v_pool, block_table, lengths, tree_mask, *, window: int | None = None,
-                             block_sizes: BlockSizes | None = None, interpret=False):
+                             key_starts=None, block_sizes: BlockSizes | None = None, interpret=False):
     """Tree attention over a paged cache, TPU kernel; same contract as `paged_tree_attention_reference`.
 
     The block table is scalar-prefetched and the prefix blocks are DMA'd straight from the pool by the
@@ -255,6 +294,7 @@ def paged_tree_attention_tpu(q, k_pool, v_pool, block_table, lengths, tree_mask,
     """
     b, n, m, s, k, g, d, block, entries = layout.check_paged_inputs(q, k_pool, v_pool, block_table, lengths,
                                                                      tree_mask, window)
+    layout.check_key_starts(key_starts, b, n)
     sub_blocks = paged_tiles(block, entries, block_sizes)
     bs = block_sizes or BlockSizes.tpu_default()
     block_q, rows_padded, block_tree, tree_steps, m_padded = _row_tiles(n * g, m, bs, interpret)
@@ -268,16 +308,20 @@ def paged_tree_attention_tpu(q, k_pool, v_pool, block_table, lengths, tree_mask,
     table = jnp.pad(table, ((0, 0), (0, width - entries)), constant_values=-1)
     steps = _paged_steps(table, prefix, block, sub_blocks)
 
+    starts, lows = _window_operands(key_starts, g, rows_padded, block_q)
+
     def pool_map(j):
-        def index(bi, qi, i, lens, steps_ref):
+        def index(bi, qi, i, lens, *refs):
+            steps_ref = refs[-1]
             e = steps_ref[bi * width + jnp.minimum(i, prefix_steps - 1) * sub_blocks + j]
             return jnp.maximum(e, -1 - e), 0, 0
         return pl.BlockSpec((None, block, k * d), index)
 
     p = k_pool.shape[0]
     out = _attention_call(
-        (prefix, steps), q_rows, [k_pool.reshape(p, block, k * d)] * sub_blocks,
+        (prefix,) + (() if lows is None else (lows,)) + (steps,), q_rows,
+        [k_pool.reshape(p, block, k * d)] * sub_blocks,
         [v_pool.reshape(p, block, k * d)] * sub_blocks, [pool_map(j) for j in range(sub_blocks)], k_tree, v_tree,
-        mask, paged=True, block_kv=block, prefix_steps=prefix_steps, block_q=block_q, block_tree=block_tree,
+        mask, starts, paged=True, block_kv=block, prefix_steps=prefix_steps, block_q=block_q, block_tree=block_tree,
         tree_steps=tree_steps, interpret=interpret, name="paged_tree_attention_tpu")
     return layout.unfold_rows(out, n, g)

@@ -9,6 +9,10 @@ and values are already written at slots [length, length + M). Query n sees the w
 tree keys m with `tree_mask[b, n, m]` ([B, N, M]; M = N when the queries are the tree itself, as in
 verification). Slots at or past `length + M` are never read: they may hold anything, NaN included.
 
+Sliding-window attention: `key_starts` [B, N] int32 (optional) gives each query the first prefix slot it
+sees: query n reads prefix slots [key_starts[b, n], length) only. The caller folds the window into the
+tree mask for the tree's own keys. None: every query sees the whole prefix.
+
 A causal mask makes this ordinary prefill / decode attention (N = 1 is a decode step), so the engine
 runs all of its attention through this one function.
 
@@ -40,9 +44,10 @@ from pallas_kernels.block_sizes import BlockSizes
 IMPLEMENTATIONS = ("reference", "tpu", "gpu")
 
 
-def tree_attention_reference(q, k_cache, v_cache, lengths, tree_mask, *, block_sizes: BlockSizes | None = None,
-                             interpret=False):
-    """Pure-jnp tree attention. q [B,N,Hq,D]; caches [B,S,K,D]; lengths [B]; tree_mask [B,N,M] bool."""
+def tree_attention_reference(q, k_cache, v_cache, lengths, tree_mask, *, key_starts=None,
+                             block_sizes: BlockSizes | None = None, interpret=False):
+    """Pure-jnp tree attention. q [B,N,Hq,D]; caches [B,S,K,D]; lengths [B]; tree_mask [B,N,M] bool;
+    key_starts [B,N] int32 or None (see the module docstring)."""
     del block_sizes, interpret  # same signature as the kernels
     b, n, hq, d = q.shape
     s, k = k_cache.shape[1], k_cache.shape[2]
@@ -55,7 +60,10 @@ def tree_attention_reference(q, k_cache, v_cache, lengths, tree_mask, *, block_s
     tree_vis = jnp.take_along_axis(
         tree_mask, jnp.broadcast_to(jnp.clip(rel, 0, m - 1)[:, None, :], (b, n, s)), axis=2
     )  # [B, N, S]
-    visible = in_prefix[:, None, :] | (in_tree[:, None, :] & tree_vis)  # [B, N, S]
+    prefix_vis = in_prefix[:, None, :]  # [B, 1 or N, S]
+    if key_starts is not None:
+        prefix_vis = prefix_vis & (jnp.arange(s)[None, None, :] >= key_starts[:, :, None])
+    visible = prefix_vis | (in_tree[:, None, :] & tree_vis)  # [B, N, S]
     # Slots past the tree may hold garbage (NaN). Scores of hidden slots are replaced below; their
     # values must be zeroed too, or 0-weight * NaN would leak into the output.
     live = (in_prefix | in_tree)[:, :, None, None]  # [B, S, 1, 1]
@@ -140,12 +148,13 @@ def resolve_implementation(implementation: str | None, interpret, block_sizes: B
     return implementation, interpret, block_sizes
 
 
-def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, interpret=False, implementation: str | None = None,
-                   block_sizes: BlockSizes | None = None):
+def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, key_starts=None, interpret=False,
+                   implementation: str | None = None, block_sizes: BlockSizes | None = None):
     """Tree attention through the best implementation for the backend (see the module docstring).
 
     q [B, N, Hq, D]; caches [B, S, Hkv, D] with the tree's keys at [length, length + M); lengths [B]
-    int32; tree_mask [B, N, M] bool. Returns [B, N, Hq, D] in q's dtype.
+    int32; tree_mask [B, N, M] bool; key_starts [B, N] int32 or None (a sliding window: the first prefix
+    slot each query sees). Returns [B, N, Hq, D] in q's dtype.
 
     interpret: run the chosen kernel in Pallas interpret mode (tests); ignored by the reference.
     An explicit `implementation` wins over `use_implementation`, which wins over the backend default.
@@ -155,11 +164,11 @@ def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, interpret=False, 
     if implementation == "tpu":
         from pallas_kernels.tpu import tree_attention_tpu  # kernel modules load only when used
 
-        return tree_attention_tpu(q, k_cache, v_cache, lengths, tree_mask, block_sizes=block_sizes,
-                                  interpret=interpret)
+        return tree_attention_tpu(q, k_cache, v_cache, lengths, tree_mask, key_starts=key_starts,
+                                  block_sizes=block_sizes, interpret=interpret)
     if implementation == "gpu":
         from pallas_kernels.gpu import tree_attention_gpu
 
-        return tree_attention_gpu(q, k_cache, v_cache, lengths, tree_mask, block_sizes=block_sizes,
-                                  interpret=interpret)
-    return tree_attention_reference(q, k_cache, v_cache, lengths, tree_mask, interpret=interpret)
+        return tree_attention_gpu(q, k_cache, v_cache, lengths, tree_mask, key_starts=key_starts,
+                                  block_sizes=block_sizes, interpret=interpret)
+    return tree_attention_reference(q, k_cache, v_cache, lengths, tree_mask, key_starts=key_starts)

@@ -10,7 +10,7 @@ import pytest
 
 import eagle_jax
 from eagle_jax import LoadError
-from eagle_jax import loader
+from eagle_jax import gguf_file, loader
 
 
 def load(path):
@@ -196,12 +196,12 @@ def test_tiny_gguf_loads(tiny_llama_gguf):
 
 
 def test_gguf_reader_reads_what_the_stock_reader_reads(tiny_llama_gguf):
-    """The loader's reader (a plain view of the memory map, `loader.gguf_reader`) must see exactly the
+    """The loader's reader (a plain view of the memory map, `gguf_file.gguf_reader`) must see exactly the
     fields and tensors `gguf.GGUFReader` sees, tokenizer strings included."""
     import gguf
 
     _, path = tiny_llama_gguf
-    fast, stock = loader.gguf_reader(path), gguf.GGUFReader(str(path))
+    fast, stock = gguf_file.gguf_reader(path), gguf.GGUFReader(str(path))
     assert not isinstance(fast.data, np.memmap)
     assert list(fast.fields) == list(stock.fields) and len(stock.fields) > 10
     for key, field in stock.fields.items():

@@ -26,7 +26,7 @@ LLAMA3_ROPE = {
     "original_max_position_embeddings": 64,
 }
 LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
-GEMMA3 = {"head_dim": 16, "query_pre_attn_scalar": 24, "num_hidden_layers": 3, "sliding_window": 128,
+GEMMA3 = {"head_dim": 16, "query_pre_attn_scalar": 24, "num_hidden_layers": 3, "sliding_window": 16,
           "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
           "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
                               "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}}
@@ -73,8 +73,8 @@ CASES = {
     "mistral": ("mistral", {}),
     "llama-tied-embeddings": ("llama", {"tie_word_embeddings": True}),
     # Gemma 3: (1 + w) norms, four norms a layer, GeGLU, scaled embeddings, its own attention scale (24, not
-    # head_dim 16), and sliding-window layers with a rope base of their own; the window (128) holds the
-    # test sequence, so dense attention is exact (the loader caps max_position at it).
+    # head_dim 16), and sliding-window layers with a rope base and a window (16 keys, shorter than the
+    # 72-token test sequence) of their own.
     "gemma3": ("gemma3_text", GEMMA3),
 }
 
@@ -200,7 +200,7 @@ def test_gguf_logits_match_transformers(overrides, tiny_hf, gguf_writer, tmp_pat
 
 
 def test_gguf_q_k_unpermute_inverts_llama_cpp_permute():
-    from eagle_jax.loader import unpermute_qk
+    from eagle_jax.gguf_file import unpermute_qk
 
     w = np.arange(8 * 16 * 3, dtype=np.float32).reshape(8 * 16, 3)  # 8 heads of head_dim 16
     permuted = w.reshape(8, 2, 8, 3).swapaxes(1, 2).reshape(w.shape)
@@ -237,7 +237,8 @@ def test_gemma3_config_fields_and_both_rope_layouts(tiny_hf, tmp_path):
     cfg = new.cfg
     assert (cfg.norm_offset, cfg.activation, cfg.sandwich_norms, cfg.qk_norm) == (1.0, "gelu_tanh", True, True)
     assert cfg.embed_scale == pytest.approx(64 ** 0.5) and cfg.query_scale == pytest.approx(24 ** -0.5)
-    assert cfg.rope.theta == 1_000_000.0 and cfg.local_rope.theta == 100.0 and cfg.max_position == 128
+    assert cfg.rope.theta == 1_000_000.0 and cfg.local_rope.theta == 100.0 and cfg.sliding_window == 16
+    assert cfg.max_position == model.config.max_position_embeddings  # the window does not cap the context
     assert cfg.layer_rope(0) == cfg.local_rope and cfg.layer_rope(1) == cfg.rope
     toks = tokens()
     assert rel_err(eagle_logits(old, toks), hf_logits(model, toks)) <= TOL
@@ -251,3 +252,7 @@ def test_gemma3_config_fields_and_both_rope_layouts(tiny_hf, tmp_path):
     one_rope = eagle_jax.Target(model=from_arrays(dataclasses.replace(cfg, local_rope=cfg.rope), arrays),
                                 tokenizer=None, name="one-rope", source="test")
     assert rel_err(eagle_logits(one_rope, toks), hf_logits(model, toks)) > 1e-3
+    # ...and with a window that holds the whole sequence (dense attention): they move too, so the window is pinned.
+    dense = eagle_jax.Target(model=from_arrays(dataclasses.replace(cfg, sliding_window=128), arrays),
+                             tokenizer=None, name="dense", source="test")
+    assert rel_err(eagle_logits(dense, toks), hf_logits(model, toks)) > 1e-3

@@ -8,7 +8,8 @@ import pytest
 
 import eagle_jax
 from eagle_jax.config import ModelConfig
-from eagle_jax.loader import Target, gguf_reader, builtin_path, gguf_tokenizer
+from eagle_jax.gguf_file import gguf_reader, gguf_tokenizer
+from eagle_jax.loader import Target, builtin_path
 from eagle_jax.model import random_model
 from eagle_jax.train import data
 

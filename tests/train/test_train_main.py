@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from builders import run_main
-from eagle_jax.loader import gguf_reader, builtin_path, gguf_tokenizer
+from eagle_jax.gguf_file import gguf_reader, gguf_tokenizer
+from eagle_jax.loader import builtin_path
 
 REPO = Path(__file__).resolve().parents[2]
 
