@@ -60,20 +60,32 @@ def assemble(
 ) -> Transformer:
     """Fills every model parameter from checkpoint tensors following `table`.
 
-    Per-layer table entries ("{i}" in the name, path (group, name)) fill parameters (group, i, name).
+    Per-layer table entries ("{i}" in the name, path (group, name)) fill parameters (group, i, name);
+    per-expert entries ("{e}" too) fill one expert's slice of a parameter stacked over experts.
     """
-    shapes = param_shapes(cfg)
-    entries = []
+    shapes = dict(param_shapes(cfg))
+    entries, stacked = [], {}
     for pattern, path, transpose in table:
-        if "{i}" in pattern:  # per-layer tensor -> parameter ("layers", i, name)
-            entries += [(pattern.format(i=i), (path[0], str(i)) + path[1:], transpose) for i in range(cfg.num_layers)]
-        else:
-            entries.append((pattern, path, transpose))
+        layers = range(cfg.num_layers) if "{i}" in pattern else (None,)
+        experts = range(cfg.num_experts) if "{e}" in pattern else (None,)
+        for i in layers:
+            key = path if i is None else (path[0], str(i)) + path[1:]
+            for e in experts:
+                if e is not None and key in shapes:  # one expert's slice: its own key, stacked below
+                    stacked[key] = cfg.num_experts
+                    shapes[key + (f"[expert {e}]",)] = shapes[key][1:]
+                entries.append((pattern.format(i=i, e=e), key if e is None else key + (f"[expert {e}]",),
+                                transpose))
+    for key in stacked:
+        del shapes[key]
     # A tied checkpoint may still carry a copy of the embedding as lm_head: accept and skip it.
     tied_copy = lambda name, key: key == ("lm_head",) and cfg.tie_embeddings
     arrays = fill(entries, shapes, tensor_names, read, shape_of, source=source, error=LoadError,
                   kind=f"a {cfg.arch} model", ignored=ignored, optional=tied_copy, transform=transform,
                   describe=lambda key: "parameter " + ".".join(key),
                   context=(f" (config: {cfg.arch}, hidden {cfg.hidden_size}, heads {cfg.num_heads}/"
-                           f"{cfg.num_kv_heads}, head_dim {cfg.head_dim})"))
+                           f"{cfg.num_kv_heads}, head_dim {cfg.head_dim}"
+                           + (f", {cfg.num_experts} experts of {cfg.expert_size}" if cfg.num_experts else "") + ")"))
+    for key, count in stacked.items():
+        arrays[key] = np.stack([arrays.pop(key + (f"[expert {e}]",)) for e in range(count)])
     return from_arrays(cfg, arrays, dtype=dtype)

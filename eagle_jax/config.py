@@ -1,9 +1,10 @@
-"""Model configuration for Llama-family and Gemma 3 targets.
+"""Model configuration for Llama-family, Gemma 3 and Mixture-of-Experts (Mixtral, Qwen3-MoE) targets.
 
 One frozen dataclass covers Llama 2 / 3.x, Mistral, Qwen2 / 2.5, Qwen3, SmolLM2 and Gemma 3 text
 models: the architectures differ only in a handful of switches (biases, q/k norms, head_dim, tied
 embeddings, rope scaling; for Gemma 3 also (1 + w) norms, norms after attention and after the MLP,
-GeLU-tanh, scaled embeddings, its own attention scale and a second rope for its sliding-window layers).
+GeLU-tanh, scaled embeddings, its own attention scale and a second rope for its sliding-window layers;
+for MoE models the experts' count, size and routing).
 Being frozen and hashable, a config is a valid static jit argument.
 """
 
@@ -25,6 +26,8 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
     "gemma3_text": {"qk_norm": True, "norm_offset": 1.0, "activation": "gelu_tanh", "sandwich_norms": True},
+    "mixtral": {},
+    "qwen3_moe": {"qk_norm": True},
 }
 ACTIVATIONS = ("silu", "gelu_tanh")
 SUPPORTED_ARCHITECTURES = tuple(_ARCH_DEFAULTS)
@@ -80,6 +83,12 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()  # per layer "full_attention" or "sliding_attention" (empty: all full)
     local_rope: RopeConfig | None = None  # the rope of sliding_attention layers (None: `rope`)
     sliding_window: int | None = None  # keys a sliding_attention layer's query sees, its own included
+    # Mixture of Experts (Mixtral, Qwen3-MoE): every layer's MLP is num_experts SwiGLU experts of
+    # expert_size, experts_per_token of them per token (0 experts: a dense MLP of intermediate_size).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_size: int = 0
+    norm_topk: bool = True  # renormalise the chosen experts' softmax weights to sum to 1
 
     def __post_init__(self):
         if self.arch not in _ARCH_DEFAULTS:
@@ -103,6 +112,9 @@ class ModelConfig:
         bad = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
         if bad:
             raise ConfigError(f"layer_types holds {bad}: supported are full_attention and sliding_attention")
+        if self.num_experts and not (0 < self.experts_per_token <= self.num_experts and self.expert_size > 0):
+            raise ConfigError(f"a MoE config needs 0 < experts_per_token ({self.experts_per_token}) <= num_experts "
+                              f"({self.num_experts}) and a positive expert_size ({self.expert_size})")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ConfigError(f"sliding_window must be positive, got {self.sliding_window}")
         if "sliding_attention" in self.layer_types and not self.sliding_window:
@@ -143,7 +155,7 @@ class ModelConfig:
         switches = dict(_ARCH_DEFAULTS[model_type])
         # Llama and Qwen3 bias all four projections when attention_bias is set; Qwen2 always biases
         # q/k/v (never o) and Mistral never reads the field, so both ignore it as transformers does.
-        if hf.get("attention_bias") and model_type in ("llama", "qwen3"):
+        if hf.get("attention_bias") and model_type in ("llama", "qwen3", "qwen3_moe"):
             switches["qkv_bias"] = True
             switches["o_bias"] = True
         if hf.get("mlp_bias"):
@@ -154,6 +166,8 @@ class ModelConfig:
         if model_type == "gemma3_text":
             switches.update(_gemma3_fields(hf, hidden, source))
             rope = switches.pop("rope")
+        if model_type in ("mixtral", "qwen3_moe"):
+            switches.update(_moe_fields(hf, model_type, source))
         return cls(
             arch=model_type,
             vocab_size=int(need("vocab_size")),
@@ -197,6 +211,23 @@ def _gemma3_fields(hf: Mapping[str, Any], hidden: int, source: str) -> dict[str,
     return {"rope": rope, "local_rope": local, "layer_types": tuple(types), "embed_scale": float(hidden) ** 0.5,
             "query_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
             "sliding_window": int(hf.get("sliding_window") or 4096)}
+
+
+def _moe_fields(hf: Mapping[str, Any], model_type: str, source: str) -> dict[str, Any]:
+    """The experts of a Mixtral / Qwen3-MoE config (every layer sparse; dense layers between are refused)."""
+    experts = hf.get("num_local_experts") or hf.get("num_experts")
+    if not experts:
+        raise ConfigError(f"{source}: a {model_type} config needs num_local_experts (or num_experts)")
+    if model_type == "qwen3_moe":
+        step, dense = int(hf.get("decoder_sparse_step") or 1), list(hf.get("mlp_only_layers") or [])
+        if step != 1 or dense:
+            raise ConfigError(f"{source}: decoder_sparse_step={step} / mlp_only_layers={dense}: dense layers between "
+                              f"MoE layers are not supported (every layer must be sparse)")
+        size, norm = hf.get("moe_intermediate_size"), bool(hf.get("norm_topk_prob", False))
+    else:  # Mixtral: experts of intermediate_size, weights always renormalised
+        size, norm = hf.get("intermediate_size"), True
+    return {"num_experts": int(experts), "experts_per_token": int(hf.get("num_experts_per_tok") or 2),
+            "expert_size": int(size or 0), "norm_topk": norm}
 
 
 def _max_position(hf: Mapping[str, Any], exact_window: int | None = None) -> int:

@@ -40,6 +40,14 @@ GEMMA3_GGUF_NORMS = (
     ("blk.{i}.post_attention_norm.weight", ("layers", "post_attn_norm"), False),
     ("blk.{i}.post_ffw_norm.weight", ("layers", "post_mlp_norm"), False),
 )
+# Mixtral (architecture "llama" with an expert count): a router and each layer's experts stacked, [E, F, H]
+# ([E, H, F] for down) in numpy order, each matrix transposed against the parameter's.
+GGUF_EXPERTS = (
+    ("blk.{i}.ffn_gate_inp.weight", ("layers", "router"), True),
+    ("blk.{i}.ffn_gate_exps.weight", ("layers", "w_gate"), "last2"),
+    ("blk.{i}.ffn_up_exps.weight", ("layers", "w_up"), "last2"),
+    ("blk.{i}.ffn_down_exps.weight", ("layers", "w_down"), "last2"),
+)
 GEMMA3_SWA_PATTERN = 6  # every sixth layer is global; GGUF does not store the pattern (llama.cpp fixes it too)
 GEMMA3_LOCAL_ROPE_BASE = 10_000.0  # the sliding-window layers' rope base, likewise not stored
 
@@ -121,8 +129,15 @@ def gguf_config(reader, source: str) -> ModelConfig:
         )
         eos = _field(reader, "tokenizer.ggml.eos_token_id")
         extra = _gemma3_fields(meta, hidden, heads, head_dim, int(meta("block_count"))) if arch == "gemma3" else {}
+        experts = int(meta("expert_count", 0, required=False) or 0)
+        if experts and arch not in ("llama", "mistral"):
+            raise LoadError(f"{source}: MoE GGUF files of architecture {arch!r} are not supported (Mixtral's are)")
+        if experts:
+            extra = {"num_experts": experts, "experts_per_token": int(meta("expert_used_count")), "norm_topk": True,
+                     "expert_size": int(meta("expert_feed_forward_length", 0, required=False)
+                                        or meta("feed_forward_length"))}
         return ModelConfig(
-            arch=_GGUF_ARCHS[arch],
+            arch="mixtral" if experts else _GGUF_ARCHS[arch],
             vocab_size=int(vocab),
             hidden_size=hidden,
             intermediate_size=int(meta("feed_forward_length")),
@@ -202,7 +217,7 @@ def load_gguf(path, dtype=jnp.float32, tokenizer: bool = True, name: str | None 
     source = str(path)
     cfg = gguf_config(reader, source)
     tensors = {t.name: t for t in reader.tensors}
-    permute = cfg.arch in ("llama", "mistral")
+    permute = cfg.arch in ("llama", "mistral", "mixtral")
 
     def shape_of(n):
         # GGUF lists dims fastest-first; numpy order is the reverse.
@@ -229,6 +244,9 @@ def load_gguf(path, dtype=jnp.float32, tokenizer: bool = True, name: str | None 
         return arr
 
     table = GGUF_TABLE + (GEMMA3_GGUF_NORMS if cfg.sandwich_norms else ())
+    if cfg.num_experts:
+        table = tuple(e for e in table if not e[0].startswith("blk.{i}.ffn_") or e[0] == "blk.{i}.ffn_norm.weight")
+        table += GGUF_EXPERTS
     model = assemble(cfg, table, list(tensors), read, shape_of, source, GGUF_IGNORED, transform, dtype)
     tok = gguf_tokenizer(reader, source) if tokenizer else None
     return Target(model=model, tokenizer=tok, name=name or path.stem, source=source)

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 from eagle_jax.config import rope_inv_freq
 from eagle_jax.kv_cache import read_rows, write_rows
+from eagle_jax.moe import moe_mlp
 from pallas_kernels import paged_tree_attention, tree_attention
 
 
@@ -163,11 +164,12 @@ def sharded_attention(q, k, v, k_cache, v_cache, *, starts, lengths, tree_mask, 
 
 
 def layer_tail(residual, attn, wo, mlp_norm, w_gate, w_up, w_down, eps, bo=None, *, norm_offset: float = 0.0,
-               activation: str = "silu", post_attn_norm=None, post_mlp_norm=None):
+               activation: str = "silu", post_attn_norm=None, post_mlp_norm=None, experts=None):
     """The rest of a decoder layer after attention: output projection onto the residual, then the
     pre-normed gated MLP (SwiGLU, or GeGLU with activation "gelu_tanh") with its own residual. Gemma 3
     also norms the attention output and the MLP output before each residual add (post_attn_norm,
-    post_mlp_norm). attn [B,T,Hq,D]."""
+    post_mlp_norm). experts: (router [H,E], top_k, norm_topk) for a MoE MLP, whose w_gate / w_up /
+    w_down are stacked over experts (`eagle_jax.moe`). attn [B,T,Hq,D]."""
     b, t = attn.shape[:2]
     o = attn.reshape(b, t, -1) @ wo
     if bo is not None:
@@ -176,9 +178,13 @@ def layer_tail(residual, attn, wo, mlp_norm, w_gate, w_up, w_down, eps, bo=None,
         o = rms_norm(o, post_attn_norm, eps, norm_offset)
     x = residual + o
     h = rms_norm(x, mlp_norm, eps, norm_offset)
-    gate = h @ w_gate
-    gate = jax.nn.gelu(gate, approximate=True) if activation == "gelu_tanh" else jax.nn.silu(gate)
-    m = (gate * (h @ w_up)) @ w_down
+    if experts is not None:
+        router, top_k, norm_topk = experts
+        m = moe_mlp(h, router, w_gate, w_up, w_down, top_k=top_k, norm_topk=norm_topk)
+    else:
+        gate = h @ w_gate
+        gate = jax.nn.gelu(gate, approximate=True) if activation == "gelu_tanh" else jax.nn.silu(gate)
+        m = (gate * (h @ w_up)) @ w_down
     if post_mlp_norm is not None:
         m = rms_norm(m, post_mlp_norm, eps, norm_offset)
     return x + m

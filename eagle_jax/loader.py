@@ -64,11 +64,31 @@ GEMMA3_HF_NORMS = (
 )
 
 
+# MoE MLPs: the router and each expert's SwiGLU ("{e}" marks a per-expert tensor, stacked on the expert axis).
+HF_EXPERTS = {
+    "mixtral": (
+        ("model.layers.{i}.block_sparse_moe.gate.weight", ("layers", "router"), True),
+        ("model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight", ("layers", "w_gate"), True),
+        ("model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight", ("layers", "w_up"), True),
+        ("model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight", ("layers", "w_down"), True),
+    ),
+    "qwen3_moe": (
+        ("model.layers.{i}.mlp.gate.weight", ("layers", "router"), True),
+        ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", ("layers", "w_gate"), True),
+        ("model.layers.{i}.mlp.experts.{e}.up_proj.weight", ("layers", "w_up"), True),
+        ("model.layers.{i}.mlp.experts.{e}.down_proj.weight", ("layers", "w_down"), True),
+    ),
+}
+
+
 def hf_table(cfg: ModelConfig):
     """The Hugging Face tensor table of this architecture."""
-    if not cfg.sandwich_norms:
-        return HF_TABLE
-    return tuple(e for e in HF_TABLE if e[0] != "model.layers.{i}.post_attention_layernorm.weight") + GEMMA3_HF_NORMS
+    table = HF_TABLE
+    if cfg.sandwich_norms:
+        table = tuple(e for e in table if e[0] != "model.layers.{i}.post_attention_layernorm.weight") + GEMMA3_HF_NORMS
+    if cfg.num_experts:
+        table = tuple(e for e in table if ".mlp." not in e[0]) + HF_EXPERTS[cfg.arch]
+    return table
 
 
 # --- Hugging Face directories ------------------------------------------------------------------

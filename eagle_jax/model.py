@@ -1,6 +1,7 @@
 """Llama-family decoder in Flax NNX: per-layer parameters, one code path for prefill, decode and verify.
 
-Covers Llama 2 / 3.x, Mistral, Qwen2 / 2.5, Qwen3 and SmolLM2 (see `ModelConfig`). The forward pass
+Covers Llama 2 / 3.x, Mistral, Qwen2 / 2.5, Qwen3, SmolLM2, Gemma 3 and the MoE families Mixtral and
+Qwen3-MoE (see `ModelConfig`; a MoE layer's w_gate / w_up / w_down are stacked over experts). The forward pass
 takes new tokens for each row, writes their keys / values into the KV cache past the row's committed
 length, and attends through `pallas_kernels.tree_attention` with a causal or tree mask, so prefill,
 plain decode and tree verification are one code path.
@@ -55,8 +56,13 @@ class Block(nnx.Module):
         if cfg.sandwich_norms:
             self.post_attn_norm, self.post_mlp_norm = norm(H), norm(H)
         self.mlp_norm = norm(H)
-        self.w_gate, self.w_up = w(H, F), w(H, F)
-        self.w_down = w(F, H)
+        if cfg.num_experts:  # MoE: a router and the experts' stacked SwiGLU matrices
+            E, F = cfg.num_experts, cfg.expert_size
+            self.router = w(H, E)
+            self.w_gate, self.w_up, self.w_down = w(E, H, F), w(E, H, F), w(E, F, H)
+        else:
+            self.w_gate, self.w_up = w(H, F), w(H, F)
+            self.w_down = w(F, H)
 
     def __call__(self, x, k_cache, v_cache, *, cfg: ModelConfig, positions, lengths, tree_mask, window=None,
                  table=None, mesh=None, rope=None, key_starts=None):
@@ -77,7 +83,8 @@ class Block(nnx.Module):
         x = layer_tail(x, attn, self.wo[...], self.mlp_norm[...], self.w_gate[...], self.w_up[...],
                        self.w_down[...], eps, bo=self.bo[...] if cfg.o_bias else None, norm_offset=off,
                        activation=cfg.activation, post_attn_norm=self.post_attn_norm[...] if sandwich else None,
-                       post_mlp_norm=self.post_mlp_norm[...] if sandwich else None)
+                       post_mlp_norm=self.post_mlp_norm[...] if sandwich else None,
+                       experts=(self.router[...], cfg.experts_per_token, cfg.norm_topk) if cfg.num_experts else None)
         return x, k_cache, v_cache
 
 

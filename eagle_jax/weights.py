@@ -20,6 +20,9 @@ def fill(entries: Iterable[tuple[str, Hashable, bool]], shapes: dict, tensor_nam
          context: str = "") -> dict:
     """Parameter key -> array, for every entry whose key is in `shapes` (parameter key -> shape).
 
+    An entry's transpose is False, True (reverse every axis) or "last2" (swap the last two: a stack of
+    matrices stored transposed).
+
     Entries whose key the model does not have are skipped (an architecture without biases; a tied
     lm_head), and their tensors count as used when `optional(name, key)` says the file may carry them.
     `ignored` tensors (names or regex patterns) may be in the file unused. Errors are `error(message)`
@@ -38,13 +41,16 @@ def fill(entries: Iterable[tuple[str, Hashable, bool]], shapes: dict, tensor_nam
         if name not in available:
             raise error(f"{source}: missing tensor {name!r} (needed for {describe(key)}, shape {expected})")
         got = tuple(shape_of(name))
-        want = tuple(reversed(expected)) if transpose else expected
+        if transpose == "last2":  # stacked matrices, each transposed
+            want = expected[:-2] + expected[:-3:-1]
+        else:
+            want = tuple(reversed(expected)) if transpose else expected
         if got != want:
             raise error(f"{source}: tensor {name!r} has shape {got}, but {describe(key)} needs {want}{context}")
         arr = read(name)
         if transform is not None:
             arr = transform(name, arr)
-        arrays[key] = arr.T if transpose else arr
+        arrays[key] = np.swapaxes(arr, -1, -2) if transpose == "last2" else (arr.T if transpose else arr)
         consumed.add(name)
     patterns = [re.compile(re.escape(p) + "$") if isinstance(p, str) else p for p in ignored]
     leftovers = sorted(n for n in available - consumed if not any(p.match(n) for p in patterns))

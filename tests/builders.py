@@ -11,6 +11,7 @@ import dataclasses
 import io
 import json
 import math
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -161,6 +162,8 @@ def make_tiny_hf(arch: str = "llama", seed: int = 0, **overrides):
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }
     config_cls, model_cls = classes[arch]
     torch.manual_seed(seed)
@@ -172,6 +175,16 @@ def make_tiny_hf(arch: str = "llama", seed: int = 0, **overrides):
             else:
                 p.normal_(0.0, 0.15)
     return model
+
+
+def two_sample_p(a, b, vocab: int) -> float:
+    """Chi-square p-value that two samples of token pairs (x, y) over `vocab` come from one distribution."""
+    from scipy.stats import chi2_contingency
+
+    idx = lambda pairs: np.asarray([x * vocab + y for x, y in pairs])
+    ca, cb = np.bincount(idx(a), minlength=vocab * vocab), np.bincount(idx(b), minlength=vocab * vocab)
+    keep = (ca + cb) > 0
+    return chi2_contingency(np.stack([ca[keep], cb[keep]]))[1]
 
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -200,11 +213,23 @@ def _llama3_rope_freqs(cfg) -> np.ndarray:
 
 
 def write_llama_gguf(model, path, *, vocab_size_key: bool = True) -> None:
-    """Writes a transformers Llama as an F32 GGUF laid out like llama.cpp's converter output."""
+    """Writes a transformers Llama (or Mixtral) as an F32 GGUF laid out like llama.cpp's converter output:
+    Mixtral is architecture "llama" with expert counts, a router (ffn_gate_inp) and each layer's experts
+    stacked into ffn_{gate,up,down}_exps."""
     import gguf
 
     cfg = model.config
+    experts = getattr(cfg, "num_local_experts", 0) or 0
     sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    if experts:  # transformers keeps experts fused in memory; its saved checkpoint has them one by one
+        import tempfile
+
+        from safetensors.numpy import load_file
+
+        with tempfile.TemporaryDirectory() as saved:
+            model.save_pretrained(saved)
+            sd = {k: v.astype(np.float32) for f in sorted(Path(saved).glob("*.safetensors"))
+                  for k, v in load_file(str(f)).items()}
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -216,6 +241,9 @@ def write_llama_gguf(model, path, *, vocab_size_key: bool = True) -> None:
     w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
     if vocab_size_key:
         w.add_vocab_size(cfg.vocab_size)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
     # add_tensor takes numpy-ordered arrays and writes GGUF's reversed (fastest-first) dims itself.
     w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
@@ -233,6 +261,13 @@ def write_llama_gguf(model, path, *, vocab_size_key: bool = True) -> None:
                      _llama_cpp_permute(sd[p + "self_attn.k_proj.weight"], cfg.num_key_value_heads))
         w.add_tensor(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"])
         w.add_tensor(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"])
+        if experts:
+            moe = p + "block_sparse_moe."
+            w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", sd[moe + "gate.weight"])
+            for name, hf in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+                w.add_tensor(f"blk.{i}.ffn_{name}_exps.weight",
+                             np.stack([sd[f"{moe}experts.{e}.{hf}.weight"] for e in range(experts)]))
+            continue
         w.add_tensor(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"])
         w.add_tensor(f"blk.{i}.ffn_up.weight", sd[p + "mlp.up_proj.weight"])
         w.add_tensor(f"blk.{i}.ffn_down.weight", sd[p + "mlp.down_proj.weight"])

@@ -13,7 +13,7 @@ from eagle_jax.sampling import SamplingParams
 from eagle_jax.tree import parse_tree
 from eagle_jax.draft import DraftLoadError, load_draft, random_head, save_draft
 from eagle_jax.tree import TreeConfig
-from builders import MORE_PROMPTS, PROMPTS, SMALL_VOCAB, TINY, oracle_pair, tiny_target
+from builders import MORE_PROMPTS, PROMPTS, SMALL_VOCAB, TINY, oracle_pair, tiny_target, two_sample_p
 from builders import write_profile as _profile
 
 @pytest.fixture(scope="module")
@@ -148,17 +148,6 @@ def _first_two(tgt, head, n, temperature, top_k, top_p, tree=None):
     return out
 
 
-def _two_sample_p(a, b, vocab):
-    from scipy.stats import chi2_contingency
-
-    idx = lambda pairs: np.asarray([x * vocab + y for x, y in pairs])
-    ca, cb = np.bincount(idx(a), minlength=vocab * vocab), np.bincount(idx(b), minlength=vocab * vocab)
-    keep = (ca + cb) > 0
-    return chi2_contingency(np.stack([ca[keep], cb[keep]]))[1]
-
-
-
-
 @pytest.fixture(scope="module")
 def small_oracle():
     tgt, head = oracle_pair(SMALL_VOCAB, attn_scale=1.0, seed=4)
@@ -174,7 +163,7 @@ def test_sampled_speculation_matches_plain_sampling_jointly_over_two_tokens(smal
     n = 20480
     plain = _first_two(tgt, None, n, temperature, top_k, top_p)
     spec = _first_two(tgt, head, n, temperature, top_k, top_p, TreeConfig(2, 3, 7))
-    assert _two_sample_p(plain, spec, 12) > 0.01
+    assert two_sample_p(plain, spec, 12) > 0.01
 
 
 @pytest.mark.slow
@@ -189,7 +178,7 @@ def test_a_broken_acceptance_rule_fails_the_two_token_test(small_oracle, monkeyp
     finally:
         monkeypatch.setattr(steps, "ACCEPT_RULE", "exact")
         jax.clear_caches()
-    assert _two_sample_p(plain, spec, 12) < 0.01
+    assert two_sample_p(plain, spec, 12) < 0.01
 
 
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
