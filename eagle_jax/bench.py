@@ -194,7 +194,7 @@ def main(argv=None) -> int:
                              "give fixed trees with several processes")
         data = {d: load_dataset(d)[: args.limit] for d in datasets}
         target = eagle_jax.load_target(args.model, tensor_parallel=args.tensor_parallel,
-                                       data_parallel=args.data_parallel)
+                                       data_parallel=args.data_parallel, expert_parallel=args.expert_parallel)
         draft = resolve_draft(args.draft, target)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

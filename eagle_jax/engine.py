@@ -386,7 +386,8 @@ def generate(
     """
     if tensor_parallel is not None or data_parallel is not None:
         now = sharding.mesh_shape(target.model.mesh)
-        sharding.shard_target(target, tensor_parallel or now["model"], data_parallel or now["data"])
+        sharding.shard_target(target, tensor_parallel or now["model"], data_parallel or now["data"],
+                              expert_parallel=now.get("expert", 1))
     if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], dict)):
         prompts = [prompts]
     if not prompts:

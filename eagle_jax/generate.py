@@ -67,7 +67,7 @@ def main(argv=None) -> int:
 
     try:
         target = eagle_jax.load_target(args.model, tensor_parallel=args.tensor_parallel,
-                                       data_parallel=args.data_parallel)
+                                       data_parallel=args.data_parallel, expert_parallel=args.expert_parallel)
     except (eagle_jax.LoadError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -235,16 +235,19 @@ def builtin_path(name: str) -> Path:
 
 
 def load_target(name_or_path: str | os.PathLike, dtype=None, tokenizer: bool = True, tensor_parallel: int = 1,
-                data_parallel: int = 1) -> Target:
+                data_parallel: int = 1, expert_parallel: int = 1) -> Target:
     """Loads a target: a built-in name, a Hugging Face directory, or a .gguf file.
 
-    dtype defaults to float32 on CPU and bfloat16 on accelerators. tensor_parallel / data_parallel: the
-    parameters are sharded over a mesh of that many devices (`eagle_jax.sharding.shard_target`).
+    dtype defaults to float32 on CPU and bfloat16 on accelerators. tensor_parallel / data_parallel /
+    expert_parallel (MoE targets): the parameters are sharded over a mesh of that many devices
+    (`eagle_jax.sharding.shard_target`).
     """
     from eagle_jax.sharding import shard_target
 
     target = _load(name_or_path, dtype, tokenizer)
-    return shard_target(target, tensor_parallel, data_parallel) if tensor_parallel * data_parallel > 1 else target
+    if tensor_parallel * data_parallel * expert_parallel == 1:
+        return target
+    return shard_target(target, tensor_parallel, data_parallel, expert_parallel=expert_parallel)
 
 
 def _load(name_or_path, dtype, tokenizer: bool) -> Target:

@@ -1,10 +1,13 @@
 """Tensor and data parallelism for inference: a target sharded over a `jax.sharding.Mesh`.
 
-The mesh has two axes: "data" splits batch rows, "model" splits the target's math (Megatron-style):
+The mesh has two axes, or three for a MoE target split by experts: "data" splits batch rows, "expert"
+(only when expert_parallel > 1) splits a MoE layer's experts, and "model" splits the target's math
+(Megatron-style):
   - attention: q heads over "model" (wq's columns, wo's rows); k / v heads over "model" where the kv
     heads divide the degree, else replicated (every shard then holds all kv heads and its q heads read
     the one they group with, which needs the degree to be a multiple of the kv heads);
-  - MLP: the intermediate dimension (w_gate / w_up columns, w_down rows);
+  - MLP: the intermediate dimension (w_gate / w_up columns, w_down rows); a MoE layer's experts
+    [E, H, F] / [E, F, H] split E over "expert" and F over "model", its router replicated;
   - vocabulary: the embedding's rows and the lm_head's columns (replicated when the vocabulary does not
     divide the degree);
   - KV cache: by kv head, as k / v (contiguous caches [B, S, K, D] also split rows over "data"; paged
@@ -32,42 +35,54 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from eagle_jax.config import ConfigError
 from eagle_jax.kv_cache import KVCache
 
-DATA, MODEL = "data", "model"
+DATA, EXPERT, MODEL = "data", "expert", "model"
 
 
-def make_mesh(tensor_parallel: int = 1, data_parallel: int = 1, devices=None) -> Mesh | None:
-    """A ("data", "model") mesh of data_parallel x tensor_parallel devices (the first ones of `devices`,
-    default every device of every process); None for 1 x 1 (one device: nothing to shard)."""
-    for name, v in (("tensor_parallel", tensor_parallel), ("data_parallel", data_parallel)):
+def make_mesh(tensor_parallel: int = 1, data_parallel: int = 1, devices=None, expert_parallel: int = 1) -> Mesh | None:
+    """A ("data", "model") mesh of data_parallel x tensor_parallel devices, or ("data", "expert", "model")
+    with expert_parallel > 1 (the first ones of `devices`, default every device of every process); None for
+    one device (nothing to shard)."""
+    for name, v in (("tensor_parallel", tensor_parallel), ("data_parallel", data_parallel),
+                    ("expert_parallel", expert_parallel)):
         if not isinstance(v, (int, np.integer)) or v < 1:
             raise ConfigError(f"{name} must be an integer >= 1, got {v!r}")
-    n = tensor_parallel * data_parallel
+    n = tensor_parallel * data_parallel * expert_parallel
     if n == 1:
         return None
     devices = list(jax.devices() if devices is None else devices)
     if len(devices) < n:
         hint = (" (on CPU, set XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX starts)"
                 if devices and devices[0].platform == "cpu" else "")
-        raise ConfigError(f"data_parallel {data_parallel} x tensor_parallel {tensor_parallel} needs {n} devices; "
+        raise ConfigError(f"data_parallel {data_parallel} x expert_parallel {expert_parallel} x tensor_parallel "
+                          f"{tensor_parallel} needs {n} devices; "
                           f"JAX sees {len(devices)} ({devices[0].platform if devices else 'none'}){hint}")
-    grid = np.asarray(devices[:n], dtype=object).reshape(data_parallel, tensor_parallel)
-    return Mesh(grid, (DATA, MODEL), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    if expert_parallel == 1:
+        grid = np.asarray(devices[:n], dtype=object).reshape(data_parallel, tensor_parallel)
+        return Mesh(grid, (DATA, MODEL), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    grid = np.asarray(devices[:n], dtype=object).reshape(data_parallel, expert_parallel, tensor_parallel)
+    return Mesh(grid, (DATA, EXPERT, MODEL), axis_types=(jax.sharding.AxisType.Auto,) * 3)
 
 
 def mesh_shape(mesh: Mesh | None) -> dict[str, int]:
-    """{"data": M, "model": N} (what the --json stats report); 1 x 1 without a mesh."""
+    """{"data": M, "model": N}, plus "expert" on a mesh that has the axis (what the --json stats report);
+    1 x 1 without a mesh."""
     if mesh is None:
         return {DATA: 1, MODEL: 1}
-    return {DATA: int(mesh.shape[DATA]), MODEL: int(mesh.shape[MODEL])}
+    return {name: int(mesh.shape[name]) for name in (DATA, EXPERT, MODEL) if name in mesh.shape}
 
 
-def check_fits(cfg, tensor_parallel: int) -> None:
-    """Raises ConfigError naming the dimension when the model cannot be split tensor_parallel ways."""
-    tp = tensor_parallel
+def check_fits(cfg, tensor_parallel: int, expert_parallel: int = 1) -> None:
+    """Raises ConfigError naming the dimension when the model cannot be split tensor_parallel ways (and its
+    experts expert_parallel ways)."""
+    tp, ep = tensor_parallel, expert_parallel
+    if ep > 1 and (not cfg.num_experts or cfg.num_experts % ep):
+        raise ConfigError(f"expert_parallel {ep} needs a MoE target whose num_experts it divides; this model has "
+                          f"{cfg.num_experts or 'no'} experts")
     if tp == 1:
         return
-    for name, size in (("num_heads (attention heads)", cfg.num_heads),
-                       ("intermediate_size (MLP width)", cfg.intermediate_size)):
+    mlp = (("expert_size (each expert's MLP width)", cfg.expert_size) if cfg.num_experts
+           else ("intermediate_size (MLP width)", cfg.intermediate_size))
+    for name, size in (("num_heads (attention heads)", cfg.num_heads), mlp):
         if size % tp:
             raise ConfigError(f"tensor_parallel {tp} does not divide the model's {name} = {size}; "
                               f"pick a degree that divides it")
@@ -82,9 +97,12 @@ def kv_split(num_kv_heads: int, tensor_parallel: int) -> bool:
     return num_kv_heads % tensor_parallel == 0
 
 
-def param_spec(path: tuple[str, ...], shape: tuple[int, ...], cfg, tp: int) -> P:
+def param_spec(path: tuple[str, ...], shape: tuple[int, ...], cfg, tp: int, ep: int = 1) -> P:
     """The PartitionSpec of one target parameter (flat NNX path, e.g. ("layers", "3", "wq"))."""
     name = path[-1]
+    if cfg.num_experts and name in ("w_gate", "w_up", "w_down"):  # [E, H, F] / [E, F, H]
+        expert, width = EXPERT if ep > 1 else None, MODEL if tp > 1 else None
+        return P(expert, None, width) if name != "w_down" else P(expert, width, None)
     kv = MODEL if kv_split(cfg.num_kv_heads, tp) else None
     vocab = MODEL if cfg.vocab_size % tp == 0 else None
     columns = {"wq": MODEL, "bq": MODEL, "wk": kv, "bk": kv, "wv": kv, "bv": kv, "w_gate": MODEL, "w_up": MODEL,
@@ -101,12 +119,12 @@ def shard_params(state, cfg, mesh: Mesh):
     """The target's NNX state with every parameter placed on the mesh by `param_spec`."""
     from flax import nnx
 
-    tp = mesh.shape[MODEL]
+    tp, ep = mesh.shape[MODEL], mesh.shape.get(EXPERT, 1)
     flat = []
     for path, var in nnx.to_flat_state(state):
         key = tuple(str(k) for k in path)
         value = var[...]
-        spec = param_spec(key, value.shape, cfg, tp)
+        spec = param_spec(key, value.shape, cfg, tp, ep)
         flat.append((path, var.replace(jax.device_put(value, NamedSharding(mesh, spec)))))
     return nnx.from_flat_state(flat)
 
@@ -205,18 +223,19 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
 
 
-def shard_target(target, tensor_parallel: int = 1, data_parallel: int = 1, devices=None):
-    """Places target's parameters on a data_parallel x tensor_parallel mesh (`param_spec`; 1 x 1: back on
-    one device) and returns it; engines made for its earlier layout are dropped (the next `generate`
-    compiles for the new one). ConfigError names the dimension or the device count that does not fit."""
+def shard_target(target, tensor_parallel: int = 1, data_parallel: int = 1, devices=None, expert_parallel: int = 1):
+    """Places target's parameters on a data_parallel x [expert_parallel x] tensor_parallel mesh
+    (`param_spec`; one device: back on one device) and returns it; engines made for its earlier layout are
+    dropped (the next `generate` compiles for the new one). ConfigError names the dimension or the device
+    count that does not fit."""
     from flax import nnx
 
-    check_fits(target.cfg, tensor_parallel)
+    check_fits(target.cfg, tensor_parallel, expert_parallel)
     if data_parallel > 1 and jax.process_count() > 1:
         raise ConfigError("data_parallel > 1 with several processes is not supported: rows would sit on other "
                           "processes' devices, and every process reads every row's tokens; split the model across "
                           "processes (tensor_parallel) instead")
-    mesh = make_mesh(tensor_parallel, data_parallel, devices)
+    mesh = make_mesh(tensor_parallel, data_parallel, devices, expert_parallel)
     model = target.model
     if mesh == model.mesh:  # (None == None: already on one device)
         return target
@@ -239,6 +258,9 @@ def add_mesh_args(parser) -> None:
                         "(default: %(default)s)")
     g.add_argument("--data-parallel", type=int, default=1, metavar="M",
                    help="split batch rows over M groups of --tensor-parallel devices (default: %(default)s)")
+    g.add_argument("--expert-parallel", type=int, default=1, metavar="E",
+                   help="MoE targets: split each layer's experts over E groups of --tensor-parallel devices "
+                        "(default: %(default)s)")
     g.add_argument("--distributed", action="store_true",
                    help="join the other processes with jax.distributed.initialize() first (multi-host TPU / GPU, "
                         "or CPU processes through gloo); the coordinator comes from JAX_COORDINATOR_ADDRESS, "

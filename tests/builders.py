@@ -177,6 +177,23 @@ def make_tiny_hf(arch: str = "llama", seed: int = 0, **overrides):
     return model
 
 
+def run_on_fake_devices(code: str, devices: int = 8, timeout: int = 600, **env_extra) -> dict:
+    """Runs `code` in a Python with `devices` CPU devices; it prints one JSON line starting with RESULT."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               PYTHONPATH=os.pathsep.join([str(root / "tests"), str(root)]), **env_extra)
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=root)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 def two_sample_p(a, b, vocab: int) -> float:
     """Chi-square p-value that two samples of token pairs (x, y) over `vocab` come from one distribution."""
     from scipy.stats import chi2_contingency

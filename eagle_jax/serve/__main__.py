@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                         f"vocabulary and KV cache (default: {d.tensor_parallel})")
     a("--data-parallel", type=int, metavar="M", help="split batch rows over M groups of --tensor-parallel devices "
                                                       f"(needs --block-size 0; default: {d.data_parallel})")
+    a("--expert-parallel", type=int, metavar="E", help="MoE targets: split each layer's experts over E groups of "
+                                                        f"--tensor-parallel devices (default: {d.expert_parallel})")
     a("--distributed", action="store_true", default=None,
       help="join the other processes with jax.distributed.initialize() (coordinator from JAX_COORDINATOR_ADDRESS, "
            "JAX_NUM_PROCESSES, JAX_PROCESS_ID, or the platform's); process 0 serves HTTP and schedules, every "
@@ -146,7 +148,7 @@ def main(argv=None) -> int:
     try:
         t0 = time.perf_counter()
         target = eagle_jax.load_target(config.model, tensor_parallel=config.tensor_parallel,
-                                       data_parallel=config.data_parallel)
+                                       data_parallel=config.data_parallel, expert_parallel=config.expert_parallel)
         mode, _ = config.speculation_mode()
         head = None if mode == "off" else resolve_draft(config.draft, target)
 

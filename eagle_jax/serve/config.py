@@ -53,12 +53,14 @@ class ServeConfig:
     log_level: str = "info"
     tensor_parallel: int = 1  # devices the target is sharded over (`eagle_jax.sharding`)
     data_parallel: int = 1  # groups of tensor_parallel devices that batch rows are split over
+    expert_parallel: int = 1  # MoE targets: groups of tensor_parallel devices each layer's experts are split over
     distributed: bool = False  # join other processes (jax.distributed); process 0 serves HTTP
 
     def mesh_problem(self) -> str | None:
         """Why the parallel settings cannot serve together, or None."""
-        if self.tensor_parallel < 1 or self.data_parallel < 1:
-            return f"tensor_parallel and data_parallel must be >= 1, got {self.tensor_parallel}, {self.data_parallel}"
+        if min(self.tensor_parallel, self.data_parallel, self.expert_parallel) < 1:
+            return (f"tensor_parallel, data_parallel and expert_parallel must be >= 1, got {self.tensor_parallel}, "
+                    f"{self.data_parallel}, {self.expert_parallel}")
         if self.data_parallel > 1 and self.block_size:
             return ("data_parallel > 1 needs contiguous KV rows (block_size 0): a paged KV pool is shared by every "
                     "row, so it cannot be split by rows")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import eagle_jax
-from builders import TINY, tiny_target, two_sample_p, write_llama_gguf
+from builders import TINY, run_on_fake_devices, tiny_target, two_sample_p, write_llama_gguf
 from eagle_jax import moe
 from eagle_jax.config import ConfigError, ModelConfig
 from eagle_jax.draft import random_head
@@ -184,3 +184,58 @@ def test_dense_layers_between_moe_layers_are_refused_by_name():
     with pytest.raises(ConfigError, match="experts_per_token"):
         dataclasses.replace(TINY, num_experts=4, experts_per_token=5, expert_size=8)
     jax.clear_caches()
+
+
+def test_expert_layout_rules_and_errors():
+    from jax.sharding import PartitionSpec as P
+
+    from eagle_jax.sharding import check_fits, param_spec
+
+    cfg = dataclasses.replace(TINY, num_experts=8, experts_per_token=2, expert_size=32)
+    assert param_spec(("layers", "0", "w_gate"), (8, 48, 32), cfg, 2, 4) == P("expert", None, "model")
+    assert param_spec(("layers", "0", "w_down"), (8, 32, 48), cfg, 2, 4) == P("expert", "model", None)
+    assert param_spec(("layers", "0", "w_up"), (8, 48, 32), cfg, 1, 4) == P("expert", None, None)
+    assert param_spec(("layers", "0", "router"), (48, 8), cfg, 2, 4) == P()
+    with pytest.raises(ConfigError, match="expert_parallel 3 needs a MoE target whose num_experts it divides"):
+        check_fits(cfg, 1, 3)
+    with pytest.raises(ConfigError, match="no experts"):
+        check_fits(TINY, 1, 2)
+    with pytest.raises(ConfigError, match="expert_size"):
+        check_fits(dataclasses.replace(cfg, expert_size=30), 4)
+
+
+EXPERT_MESH = """
+    import dataclasses, json
+    import jax
+    import eagle_jax
+    from builders import TINY, tiny_target
+    from eagle_jax.draft import random_head
+    from eagle_jax.sharding import shard_target
+
+    cfg = dataclasses.replace(TINY, num_layers=4, num_experts=8, experts_per_token=2, expert_size=32)
+    tgt = tiny_target(cfg, seed=3)
+    head = random_head(cfg, "eagle3", seed=1)
+    prompts = [[5, 9, 11, 20], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8], [42], [7, 7, 7]]
+    want = eagle_jax.generate(tgt, prompts, max_new_tokens=16, ignore_eos=True).token_ids
+    cases = []
+    for dp, ep, tp in ((1, 8, 1), (1, 4, 2), (2, 2, 2)):
+        shard_target(tgt, tp, dp, expert_parallel=ep)
+        plain = eagle_jax.generate(tgt, prompts, max_new_tokens=16, ignore_eos=True)
+        spec = eagle_jax.generate(tgt, prompts, head, tree="3,2,6", max_new_tokens=16, ignore_eos=True)
+        w = tgt.model.layers[0].w_gate[...]
+        cases.append({"mesh": spec.stats["mesh"], "plain": plain.token_ids == want, "spec": spec.token_ids == want,
+                      "spec_w_gate": list(w.sharding.spec), "shard": list(w.addressable_shards[0].data.shape)})
+    print("RESULT " + json.dumps({"devices": jax.device_count(), "cases": cases}))
+"""
+
+
+def test_greedy_output_with_experts_split_over_a_mesh_equals_one_device():
+    out = run_on_fake_devices(EXPERT_MESH)
+    assert out["devices"] == 8
+    meshes = [c["mesh"] for c in out["cases"]]
+    assert meshes == [{"data": 1, "expert": 8, "model": 1}, {"data": 1, "expert": 4, "model": 2},
+                      {"data": 2, "expert": 2, "model": 2}]
+    for case, (ep, tp) in zip(out["cases"], ((8, 1), (4, 2), (2, 2))):
+        assert case["plain"] and case["spec"], case
+        assert case["spec_w_gate"] == ["expert", None, "model" if tp > 1 else None]
+        assert case["shard"] == [8 // ep, 48, 32 // tp]  # each device holds its experts' columns only

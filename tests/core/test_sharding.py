@@ -11,27 +11,15 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
-from builders import TINY, tiny_target
+from builders import TINY, run_on_fake_devices, tiny_target
 from eagle_jax.config import ConfigError
 from eagle_jax.sharding import check_fits, make_mesh, mesh_shape, param_spec
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def run_on_fake_devices(code: str, devices: int = 8, timeout: int = 600, **env_extra) -> dict:
-    """Runs `code` in a Python with `devices` CPU devices; it prints one JSON line starting with RESULT."""
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT)]), **env_extra)
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
 
 
 def test_param_specs_follow_the_layout_rules():
