@@ -107,7 +107,6 @@ def main(argv=None) -> int:
         report[label] = {"verify_seconds": curve, "step_seconds": seconds[1], "choice": choice.name,
                          "expected_tokens": {tree_name(t): harness.stats.expected_tokens(t) for t in [None] + trees},
                          "params": sum(x.size for x in jax.tree_util.tree_leaves(st))}
-        del target, st
     print(f"Verify cost of N tree tokens relative to a plain step (N=1), {args.layers} layers, context "
           f"{args.context} ({platform.processor() or platform.machine()}, jax {jax.__version__})")
     print(f"{'N':>4} " + " ".join(f"{lab + ' ms':>10} {lab + ' x':>8}" for lab in report))
