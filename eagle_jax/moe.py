@@ -13,9 +13,9 @@ Three dispatches compute the same thing (up to rounding) with static shapes unde
   "grouped"  the N * k (token, expert) pairs are sorted by expert and each expert's contiguous group goes
              through one `jax.lax.ragged_dot`: arithmetic follows the pairs, not E.
 `dispatch_for(tokens, top_k, num_experts)` picks one per shape from what `benchmarks/moe_dispatch.py`
-measured. On XLA:CPU (hidden 576, 8 experts of 768, top 2): "gather" at 1 token (1.1 ms against 1.5 for
-"dense"), "dense" from 4 tokens to 512 (3.1 ms at 4, 61 ms at 512), "grouped" never (`ragged_dot` is
-not a native grouped matmul there: 17 ms at 1 token, 115 ms at 512). On accelerators, where
+measured. On XLA:CPU (hidden 576, 8 experts of 768, top 2): "gather" at 1 token (1.0 ms against 1.4 for
+"dense"), "dense" from 4 tokens to 512 (1.4 ms at 4, 57 ms at 512), "grouped" never (`ragged_dot` is
+not a native grouped matmul there: 14 ms at 1 token, 104 ms at 512). On accelerators, where
 `ragged_dot` is a grouped matmul, "grouped" takes over past GROUPED_ABOVE_PAIRS_PER_EXPERT pairs per
 expert (a threshold not yet measured on GPU or TPU hardware).
 """
