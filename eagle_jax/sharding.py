@@ -129,6 +129,20 @@ def shard_params(state, cfg, mesh: Mesh):
     return nnx.from_flat_state(flat)
 
 
+def place_experts(state, cfg, mesh: Mesh):
+    """A target's NNX state on a mesh with an "expert" axis (the trainer's): each MoE layer's experts
+    split over it, every other parameter replicated (the frozen target's forward in training)."""
+    from flax import nnx
+
+    flat = []
+    for path, var in nnx.to_flat_state(state):
+        name = str(path[-1])
+        split = cfg.num_experts and name in ("w_gate", "w_up", "w_down") and EXPERT in mesh.shape
+        spec = P(EXPERT, None, None) if split else P()
+        flat.append((path, var.replace(jax.device_put(var[...], NamedSharding(mesh, spec)))))
+    return nnx.from_flat_state(flat)
+
+
 def replicate(tree, mesh: Mesh):
     """Every array of tree (e.g. a draft head's state) replicated on the mesh."""
     return jax.device_put(tree, NamedSharding(mesh, P()))

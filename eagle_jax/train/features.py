@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 from typing import Iterator, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -73,15 +74,21 @@ QUICK_FEATURES_WORK = 1 << 26
 
 
 class FeatureExtractor:
-    """Runs the frozen target over token batches (online mode)."""
+    """Runs the frozen target over token batches (online mode). state: the target's parameters as the
+    trainer placed them (e.g. its experts split over a mesh); batch_sharding: where the tokens go then."""
 
-    def __init__(self, target, aux_layers: Sequence[int] = ()):
+    def __init__(self, target, aux_layers: Sequence[int] = (), state=None, batch_sharding=None):
         self.graphdef, self.state = nnx.split(target.model)
+        if state is not None:
+            self.state = state
+        self.batch_sharding = batch_sharding
         self.aux_layers = tuple(aux_layers)
         self.n_params = param_count(self.state)
 
     def __call__(self, batch: Batch) -> Batch:
         tokens = jnp.asarray(batch.tokens)
+        if self.batch_sharding is not None and tokens.shape[0] % self.batch_sharding.mesh.size == 0:
+            tokens = jax.device_put(tokens, self.batch_sharding)
         fast = quick(self.n_params * tokens.size, QUICK_FEATURES_WORK, tokens)
         hidden, aux = _FEATURES[fast](self.graphdef, self.state, tokens, self.aux_layers)
         return dataclasses.replace(batch, hidden=np.asarray(hidden),

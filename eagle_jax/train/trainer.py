@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from eagle_jax.compiling import jit_pair, param_count, quick
 from eagle_jax.draft import DraftHead, save_draft
+from eagle_jax.sharding import check_fits, place_experts
 from eagle_jax.train import losses
 from eagle_jax.train.features import Batch, FeatureExtractor, token_batches
 
@@ -48,6 +49,7 @@ class OptimConfig:
     seed: int = 0
     compute_dtype: str = "auto"  # "auto": bfloat16 on TPU/GPU, float32 on CPU; params stay float32
     fsdp: int = 1  # devices per parameter shard (mesh axis "fsdp"); the rest form the "data" axis
+    expert: int = 1  # MoE targets: devices the frozen target's experts are split over (mesh axis "expert")
     checkpoint_every: int = 100
     keep_checkpoints: int = 3
     eval_every: int = 100
@@ -63,12 +65,16 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     return optax.MultiSteps(opt, every_k_schedule=cfg.grad_accum) if cfg.grad_accum > 1 else opt
 
 
-def data_mesh(devices=None, fsdp: int = 1) -> jax.sharding.Mesh:
-    """A (data, fsdp) mesh over the devices: batches split over both axes, params over 'fsdp'."""
+def data_mesh(devices=None, fsdp: int = 1, expert: int = 1) -> jax.sharding.Mesh:
+    """A (data, fsdp) mesh over the devices: batches split over both axes, params over 'fsdp'. expert > 1
+    adds an "expert" axis that splits a MoE target's experts (batches are replicated over it)."""
     devices = list(devices if devices is not None else jax.devices())
-    if len(devices) % fsdp:
-        raise ValueError(f"fsdp={fsdp} does not divide the {len(devices)} devices")
-    return jax.sharding.Mesh(np.asarray(devices).reshape(len(devices) // fsdp, fsdp), ("data", "fsdp"))
+    if len(devices) % (fsdp * expert):
+        raise ValueError(f"fsdp={fsdp} x expert={expert} does not divide the {len(devices)} devices")
+    if expert == 1:
+        return jax.sharding.Mesh(np.asarray(devices).reshape(len(devices) // fsdp, fsdp), ("data", "fsdp"))
+    grid = np.asarray(devices).reshape(len(devices) // (fsdp * expert), fsdp, expert)
+    return jax.sharding.Mesh(grid, ("data", "fsdp", "expert"))
 
 
 def param_sharding(mesh, x) -> NamedSharding:
@@ -116,7 +122,7 @@ QUICK_TRAIN_WORK = 1 << 26
 class Trainer:
     def __init__(self, target, head: DraftHead, cfg: OptimConfig, mesh=None):
         self.target, self.cfg = target, cfg
-        self.mesh = mesh or data_mesh(fsdp=cfg.fsdp)
+        self.mesh = mesh or data_mesh(fsdp=cfg.fsdp, expert=cfg.expert)
         self.graphdef, params, self.rest = nnx.split(head, nnx.Param, ...)
         self.batch_sharding = NamedSharding(self.mesh, P(("data", "fsdp")))
         # float32 master copies (the step donates its params, and the caller's head must stay usable).
@@ -125,7 +131,13 @@ class Trainer:
         self.tx = make_optimizer(cfg)
         self.opt_state = jax.jit(self.tx.init)(self.params)  # follows the params' shardings
         self.target_graphdef, self.target_state = nnx.split(target.model)
-        self.extractor = FeatureExtractor(target, head.cfg.aux_layers if head.cfg.kind == "eagle3" else ())
+        experts = "expert" in self.mesh.shape
+        if experts:  # the frozen target's experts split over the "expert" axis, for its forward here
+            check_fits(target.cfg, 1, self.mesh.shape["expert"])
+            self.target_state = place_experts(self.target_state, target.cfg, self.mesh)
+        self.extractor = FeatureExtractor(target, head.cfg.aux_layers if head.cfg.kind == "eagle3" else (),
+                                          state=self.target_state if experts else None,
+                                          batch_sharding=self.batch_sharding if experts else None)
         self.step = 0
         self.data_pos = 0
         self.key = jax.random.PRNGKey(cfg.seed)

@@ -48,3 +48,42 @@ def test_an_eagle3_head_trains_exports_and_speculates_over_the_family(family, tm
     spec = eagle_jax.generate(tgt, test_prompts, trained, tree="3,4,8", max_new_tokens=20)
     assert spec.token_ids == plain.token_ids
     assert spec.stats["tau"] > 1.2, spec.stats["tau"]  # the trained head's drafts are accepted
+
+
+EXPERT_TRAINING = """
+    import json
+    import jax, numpy as np
+    import eagle_jax
+    import dataclasses
+    from builders import TRAIN_CFG, tiny_target
+    MOE = dataclasses.replace(TRAIN_CFG, arch="mixtral", num_experts=4, experts_per_token=2, expert_size=48)
+    from eagle_jax.draft import random_head
+    from eagle_jax.train.trainer import OptimConfig, Trainer
+
+    tgt = tiny_target(MOE)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, MOE.vocab_size, size=4).tolist() for _ in range(16)]
+    answers = eagle_jax.generate(tgt, prompts, max_new_tokens=12).token_ids
+    rows = [(np.asarray(p + t, np.int32), np.asarray([0] * 4 + [1] * len(t), np.uint8)) for p, t in zip(prompts, answers)]
+    runs = {}
+    for expert in (1, 4):
+        tr = Trainer(tgt, random_head(MOE, "eagle3", seed=0, draft_vocab_size=97),
+                     OptimConfig(steps=3, lr=3e-3, batch_size=8, seq_len=24, ttt_length=2, expert=expert, log_every=1))
+        hist = tr.train(rows)
+        w = tr.target_state["layers"][0]["w_gate"][...]
+        runs[expert] = {"loss": [h["loss"] for h in hist], "mesh": dict(tr.mesh.shape), "spec": list(getattr(w.sharding, "spec", ())),
+                        "params": [np.asarray(x).tolist() for x in jax.tree_util.tree_leaves(jax.device_get(tr.params))[:3]]}
+    same = np.allclose(runs[1]["loss"], runs[4]["loss"], rtol=1e-4) and all(
+        np.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(runs[1]["params"], runs[4]["params"]))
+    print("RESULT " + json.dumps({"same": bool(same), "mesh": runs[4]["mesh"], "spec": runs[4]["spec"],
+                                  "loss": runs[4]["loss"]}))
+"""
+
+
+def test_training_with_the_targets_experts_split_over_8_devices_matches_one_device():
+    from builders import run_on_fake_devices
+
+    out = run_on_fake_devices(EXPERT_TRAINING)
+    assert out["same"], out
+    assert out["mesh"] == {"data": 2, "fsdp": 1, "expert": 4}
+    assert out["spec"] == ["expert", None, None]
