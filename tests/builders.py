@@ -323,3 +323,33 @@ def release_compiled_code(fraction: float = 0.5) -> bool:
     jax.clear_caches()
     gc.collect()
     return True
+
+
+def tree_verify_vs_hf(target, model, prompt, n: int = 7, seed: int = 0) -> float:
+    """Relative error between one tree-verify forward (the prompt prefilled, then `n` tree tokens of a random
+    tree under its ancestor mask, each at its depth's position) and transformers run on each node's own
+    path (prompt + ancestors + node), at every node."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+    mask = np.zeros((n, n), bool)
+    depth = np.zeros(n, np.int32)
+    for i, p in enumerate(parents):
+        if p >= 0:
+            mask[i], depth[i] = mask[p], depth[p] + 1
+        mask[i, i] = True
+    tokens = rng.integers(0, target.cfg.vocab_size, n)
+    cache = target.model.init_cache(1, 64)
+    cache = target.model(jnp.asarray([prompt], jnp.int32), cache).cache
+    cache = cache.replace(lengths=cache.lengths + len(prompt))
+    ours = np.asarray(target.model(jnp.asarray([tokens], jnp.int32), cache,
+                                   positions=jnp.asarray([len(prompt) + depth]), tree_mask=jnp.asarray([mask])).logits[0])
+    worst = 0.0
+    for i in range(n):
+        path = list(prompt) + [int(tokens[j]) for j in np.flatnonzero(mask[i])]  # ancestors in order: their depths rise
+        with torch.no_grad():
+            ref = model(torch.tensor([path])).logits[0, -1].float().numpy()
+        worst = max(worst, float(np.abs(ours[i] - ref).max() / np.abs(ref).max()))
+    assert len(set(depth.tolist())) > 2  # a tree several levels deep, not a chain or a fan
+    return worst

@@ -29,6 +29,18 @@ def test_speculative_greedy_equals_plain_on_gemma3(kind, tree, tiny_hf, tmp_path
     assert len(set(map(tuple, plain.token_ids))) == 3  # the rows differ: the check is not vacuous
 
 
+def test_a_tree_verify_step_past_the_window_matches_transformers_on_every_path(tiny_hf, tmp_path):
+    import jax.numpy as jnp
+
+    from builders import tree_verify_vs_hf
+
+    model = tiny_hf("gemma3_text", **GEMMA3)
+    model.save_pretrained(tmp_path)
+    target = eagle_jax.load_target(str(tmp_path), dtype=jnp.float32, tokenizer=False)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]  # 12 tokens before the tree: the 8-key window cuts into them
+    assert tree_verify_vs_hf(target, model, prompt) < 1e-4
+
+
 def test_plain_greedy_decoding_equals_transformers_past_the_window(tiny_hf, tmp_path):
     import jax.numpy as jnp
     import torch

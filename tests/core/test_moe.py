@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import eagle_jax
-from builders import TINY, run_on_fake_devices, tiny_target, two_sample_p, write_llama_gguf
+from builders import TINY, run_on_fake_devices, tiny_target, tree_verify_vs_hf, two_sample_p, write_llama_gguf
 from eagle_jax import moe
 from eagle_jax.config import ConfigError, ModelConfig
 from eagle_jax.draft import random_head
@@ -91,6 +91,13 @@ def test_prefill_logits_and_greedy_decoding_match_transformers(family, tiny_hf, 
         theirs = model.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False)
     ours = eagle_jax.generate(target, [prompt], max_new_tokens=16, ignore_eos=True)
     assert ours.token_ids[0] == theirs[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe"])
+def test_a_tree_verify_step_matches_transformers_on_every_path(family, tiny_hf, tmp_path):
+    arch, overrides = FAMILIES[family]
+    model = tiny_hf(arch, **overrides)
+    assert tree_verify_vs_hf(_load(model, tmp_path), model, [5, 9, 11, 200, 3]) < 1e-4
 
 
 def test_greedy_decoding_is_the_same_through_every_dispatch(tiny_hf, tmp_path, monkeypatch):
