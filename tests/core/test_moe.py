@@ -173,10 +173,12 @@ def _first_two(target, head, n, tree=None):
 
 @pytest.mark.slow
 def test_sampled_speculation_on_a_moe_target_matches_plain_sampling():
-    cfg = dataclasses.replace(TINY, vocab_size=12, num_layers=4, num_experts=4, experts_per_token=2, expert_size=32)
+    # One layer and an EAGLE-1 head: the acceptance rule under test sits in the verify step, which the
+    # MoE layer feeds (EAGLE-3 heads over MoE targets are greedy-tested above and trained in tests/train).
+    cfg = dataclasses.replace(TINY, vocab_size=12, num_layers=1, num_experts=4, experts_per_token=2, expert_size=32)
     target = tiny_target(cfg, seed=4)
     target.model.embed[...] = target.model.embed[...] * (15 / 25)  # a few nats of spread: not one-hot
-    head = random_head(cfg, "eagle3", seed=2)
+    head = random_head(cfg, "eagle1", seed=2)
     plain = _first_two(target, None, 8192)
     spec = _first_two(target, head, 8192, "2,3,7")
     assert len(set(plain)) > 20  # sampling, not a near-greedy single answer

@@ -90,6 +90,6 @@ def test_parallel_settings_that_cannot_serve_together_are_refused_with_the_reaso
         ServeConfig(data_parallel=2, block_size=0, max_batch=5)
     with pytest.raises(ConfigError, match="speculation 'auto'"):
         ServeConfig(distributed=True)
-    with pytest.raises(ConfigError, match="tensor_parallel and data_parallel must be >= 1"):
+    with pytest.raises(ConfigError, match="tensor_parallel, data_parallel and expert_parallel must be >= 1"):
         ServeConfig(tensor_parallel=0)
     assert ServeConfig(data_parallel=2, block_size=0, distributed=True, speculation="off").mesh_problem() is None
