@@ -25,6 +25,7 @@ from pathlib import Path
 
 from eagle_jax.datasets import load_dataset
 from eagle_jax.harness import DEFAULT_CANDIDATES, candidate_trees
+from eagle_jax.quant import add_quantize_args, scheme_from_arg, weight_bytes
 from eagle_jax.sharding import add_mesh_args
 from eagle_jax.tree import TreeConfig, parse_tree
 
@@ -79,6 +80,7 @@ def build_parser():
     p.add_argument("--plot", default=None, help="write a PNG of speedup and tau (needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_mesh_args(p)
+    add_quantize_args(p)
     return p
 
 
@@ -180,6 +182,7 @@ def main(argv=None) -> int:
 
     sharding.setup_from_args(args)
     import jax
+    from flax import nnx
 
     import eagle_jax
 
@@ -194,7 +197,8 @@ def main(argv=None) -> int:
                              "give fixed trees with several processes")
         data = {d: load_dataset(d)[: args.limit] for d in datasets}
         target = eagle_jax.load_target(args.model, tensor_parallel=args.tensor_parallel,
-                                       data_parallel=args.data_parallel, expert_parallel=args.expert_parallel)
+                                       data_parallel=args.data_parallel, expert_parallel=args.expert_parallel,
+                                       quantize=scheme_from_arg(args.quantize))
         draft = resolve_draft(args.draft, target)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -236,6 +240,8 @@ def main(argv=None) -> int:
         "candidates": [t.name for t in candidate_trees(args.candidates)] if "auto" in trees else None,
         "max_new_tokens": args.max_new_tokens,
         "mesh": sharding.mesh_shape(target.model.mesh),
+        "quantization": scheme_from_arg(args.quantize),
+        "weight_bytes": weight_bytes(nnx.state(target.model)),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
                     "backend": jax.default_backend()},
         "results": results,

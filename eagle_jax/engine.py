@@ -24,6 +24,7 @@ from eagle_jax.compiling import param_count
 from eagle_jax.paging import BlockPool, block_table, blocks_for
 from eagle_jax.prepared import PreparedPrograms
 from eagle_jax.programs import ProgramStore
+from eagle_jax.quant import weight_bytes
 from eagle_jax.rows import attention_window as window_bucket
 from eagle_jax.rows import batch_shapes, next_pow2, pad_prompts
 from eagle_jax.sampling import SamplingParams
@@ -77,6 +78,7 @@ class Engine(PreparedPrograms):
                 f"(hidden {target.cfg.hidden_size}, vocab {target.cfg.vocab_size})")
         self.target, self.head = target, head
         self.graphdef, self.state = nnx.split(target.model)
+        self.quantization = target.model.quantization
         self.head_graphdef, self.head_state = nnx.split(head) if head is not None else (None, None)
         self.mesh = target.model.mesh
         if self.mesh is not None and head is not None:
@@ -316,6 +318,8 @@ class Engine(PreparedPrograms):
             "accept_histogram": hist,  # hist[i] = row-steps that emitted i + 1 tokens
             "buckets": {"batch": b, "prompt": t, "cache": s_len},
             "mesh": sharding.mesh_shape(self.mesh),
+            "weight_bytes": weight_bytes(self.state),  # the target's parameters in device memory
+            "quantization": None if self.quantization is None else self.quantization[0],
         }
         if auto:
             stats.update(tree="auto", choices=choices, profile=policy.profile.source)

@@ -15,6 +15,7 @@ import sys
 import types
 
 from eagle_jax.bench import candidate_arg, tree_arg
+from eagle_jax.quant import add_quantize_args, scheme_from_arg
 from eagle_jax.sharding import add_mesh_args
 
 
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "default: the harness's, see python -m eagle_jax.bench --help)")
     p.add_argument("--json", action="store_true", help="print one JSON object (texts, token ids, stats) instead of text")
     add_mesh_args(p)
+    add_quantize_args(p)
     return p
 
 
@@ -67,7 +69,8 @@ def main(argv=None) -> int:
 
     try:
         target = eagle_jax.load_target(args.model, tensor_parallel=args.tensor_parallel,
-                                       data_parallel=args.data_parallel, expert_parallel=args.expert_parallel)
+                                       data_parallel=args.data_parallel, expert_parallel=args.expert_parallel,
+                                       quantize=scheme_from_arg(args.quantize))
     except (eagle_jax.LoadError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 from eagle_jax.config import rope_inv_freq
 from eagle_jax.kv_cache import read_rows, write_rows
 from eagle_jax.moe import moe_mlp
+from eagle_jax.quant import matmul
 from pallas_kernels import paged_tree_attention, tree_attention
 
 
@@ -69,7 +70,7 @@ def project_qkv(h, wq, wk, wv, *, num_heads: int, num_kv_heads: int, head_dim: i
     norm_offset + w). query_scale: the attention scores' scale when it is not head_dim ** -0.5 (Gemma 3):
     q is multiplied so that the kernels' own head_dim ** -0.5 gives it."""
     b, t, _ = h.shape
-    q, k, v = h @ wq, h @ wk, h @ wv
+    q, k, v = matmul(h, wq), matmul(h, wk), matmul(h, wv)  # (quantized matrices dequantize inside)
     if biases is not None:
         q, k, v = q + biases[0], k + biases[1], v + biases[2]
     q = q.reshape(b, t, num_heads, head_dim)
@@ -171,7 +172,7 @@ def layer_tail(residual, attn, wo, mlp_norm, w_gate, w_up, w_down, eps, bo=None,
     post_mlp_norm). experts: (router [H,E], top_k, norm_topk) for a MoE MLP, whose w_gate / w_up /
     w_down are stacked over experts (`eagle_jax.moe`). attn [B,T,Hq,D]."""
     b, t = attn.shape[:2]
-    o = attn.reshape(b, t, -1) @ wo
+    o = matmul(attn.reshape(b, t, -1), wo)
     if bo is not None:
         o = o + bo
     if post_attn_norm is not None:
@@ -182,9 +183,9 @@ def layer_tail(residual, attn, wo, mlp_norm, w_gate, w_up, w_down, eps, bo=None,
         router, top_k, norm_topk = experts
         m = moe_mlp(h, router, w_gate, w_up, w_down, top_k=top_k, norm_topk=norm_topk)
     else:
-        gate = h @ w_gate
+        gate = matmul(h, w_gate)
         gate = jax.nn.gelu(gate, approximate=True) if activation == "gelu_tanh" else jax.nn.silu(gate)
-        m = (gate * (h @ w_up)) @ w_down
+        m = matmul(gate * matmul(h, w_up), w_down)
     if post_mlp_norm is not None:
         m = rms_norm(m, post_mlp_norm, eps, norm_offset)
     return x + m

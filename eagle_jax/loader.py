@@ -235,16 +235,27 @@ def builtin_path(name: str) -> Path:
 
 
 def load_target(name_or_path: str | os.PathLike, dtype=None, tokenizer: bool = True, tensor_parallel: int = 1,
-                data_parallel: int = 1, expert_parallel: int = 1) -> Target:
+                data_parallel: int = 1, expert_parallel: int = 1, quantize: str | None = None,
+                quantize_group: int = 64) -> Target:
     """Loads a target: a built-in name, a Hugging Face directory, or a .gguf file.
 
     dtype defaults to float32 on CPU and bfloat16 on accelerators. tensor_parallel / data_parallel /
     expert_parallel (MoE targets): the parameters are sharded over a mesh of that many devices
-    (`eagle_jax.sharding.shard_target`).
+    (`eagle_jax.sharding.shard_target`). quantize: "int8", "fp8" or "int4" (groups of quantize_group
+    rows) stores the attention and MLP matrices weight-only quantized (`eagle_jax.quant`); None keeps
+    them in dtype.
     """
+    from eagle_jax.quant import QuantizeError, SCHEMES, quantize_model
     from eagle_jax.sharding import shard_target
 
+    if quantize is not None and quantize not in SCHEMES:
+        raise QuantizeError(f"quantize must be one of {', '.join(SCHEMES)} (or none), got {quantize!r}")
+    if quantize is not None and tensor_parallel * data_parallel * expert_parallel > 1:
+        raise QuantizeError("a quantized target cannot be sharded over a mesh yet: drop --quantize or the "
+                            "parallel settings")
     target = _load(name_or_path, dtype, tokenizer)
+    if quantize is not None:
+        quantize_model(target.model, quantize, quantize_group)
     if tensor_parallel * data_parallel * expert_parallel == 1:
         return target
     return shard_target(target, tensor_parallel, data_parallel, expert_parallel=expert_parallel)

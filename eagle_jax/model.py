@@ -25,6 +25,7 @@ from eagle_jax.config import ModelConfig
 from eagle_jax.kv_cache import KVCache
 from eagle_jax.layers import (cached_attention, causal_mask, layer_tail, param_factories, project_qkv, rms_norm,
                               sliding_window)
+from eagle_jax.quant import QuantizedWeight, matmul, take_columns
 
 
 @jax.tree_util.register_dataclass
@@ -96,6 +97,8 @@ class Transformer(nnx.Module):
         # The ("data", "model") mesh the parameters are sharded over (`eagle_jax.sharding`); None: one device.
         # Static (part of the graphdef), so steps compile for it.
         self.mesh = None
+        # (scheme, group) when `eagle_jax.quant.quantize_model` quantized the matrices; None: full precision.
+        self.quantization = None
         w, ones, zeros = param_factories(rngs, dtype)
         self.embed = w(cfg.vocab_size, cfg.hidden_size)
         self.layers = nnx.List([Block(cfg, rngs=rngs, dtype=dtype) for _ in range(cfg.num_layers)])
@@ -105,17 +108,27 @@ class Transformer(nnx.Module):
 
     # --- pieces the speculative engine and draft heads reuse -------------------------------------
     def embed_tokens(self, tokens):
-        x = jnp.take(self.embed[...], tokens, axis=0)
+        table = self.embed[...]
+        if isinstance(table, QuantizedWeight):  # stored transposed, [H, V] (`quant.quantize_model`)
+            x = take_columns(table, tokens, self.dtype)
+        else:
+            x = jnp.take(table, tokens, axis=0)
         if self.cfg.embed_scale != 1.0:  # (in the embedding's dtype, as the reference implementations round it)
             x = x * jnp.asarray(self.cfg.embed_scale, x.dtype)
         return x
 
     def lm_head_weight(self):
-        """[H, V] output projection (the transposed embedding when tied)."""
-        return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+        """[H, V] output projection (the transposed embedding when tied; a `QuantizedWeight` when quantized)."""
+        if not self.cfg.tie_embeddings:
+            return self.lm_head[...]
+        table = self.embed[...]
+        return table if isinstance(table, QuantizedWeight) else table.T
 
     def logits(self, hidden):
-        return jnp.einsum("...H,HV->...V", hidden, self.lm_head_weight(), preferred_element_type=jnp.float32)
+        w = self.lm_head_weight()
+        if isinstance(w, QuantizedWeight):
+            return matmul(hidden.astype(jnp.float32), w)
+        return jnp.einsum("...H,HV->...V", hidden, w, preferred_element_type=jnp.float32)
 
     # --- forward ---------------------------------------------------------------------------------
     def __call__(

@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                         f"vocabulary and KV cache (default: {d.tensor_parallel})")
     a("--data-parallel", type=int, metavar="M", help="split batch rows over M groups of --tensor-parallel devices "
                                                       f"(needs --block-size 0; default: {d.data_parallel})")
+    a("--quantize", choices=["int8", "fp8", "int4", "none"],
+      help="store the target's matrices weight-only quantized (default: none)")
     a("--expert-parallel", type=int, metavar="E", help="MoE targets: split each layer's experts over E groups of "
                                                         f"--tensor-parallel devices (default: {d.expert_parallel})")
     a("--distributed", action="store_true", default=None,
@@ -148,7 +150,8 @@ def main(argv=None) -> int:
     try:
         t0 = time.perf_counter()
         target = eagle_jax.load_target(config.model, tensor_parallel=config.tensor_parallel,
-                                       data_parallel=config.data_parallel, expert_parallel=config.expert_parallel)
+                                       data_parallel=config.data_parallel, expert_parallel=config.expert_parallel,
+                                       quantize=None if config.quantize in (None, "none") else config.quantize)
         mode, _ = config.speculation_mode()
         head = None if mode == "off" else resolve_draft(config.draft, target)
 

@@ -18,7 +18,7 @@ import tomllib
 from pathlib import Path
 
 KNOWN = {
-    "target": {"model"},
+    "target": {"model", "quantize"},
     "head": {"kind", "draft_vocab_size", "init_from_target_layer", "init_from", "seed", "export_dtype"},
     "data": {"dir", "sources", "max_new_tokens", "temperature", "top_p", "batch_size", "shard_size", "seed",
              "holdout", "features", "features_dir", "limit"},
@@ -132,6 +132,9 @@ def main(argv=None) -> int:
                     help="call jax.distributed.initialize() (multi-host TPU / GPU; auto-detected on TPU pods)")
     ap.add_argument("--data-only", action="store_true",
                     help="stop after the data stage (prompts and the target's answers written)")
+    ap.add_argument("--quantize", choices=["int8", "fp8", "int4", "none"],
+                    help="override target.quantize: the frozen target's matrices weight-only quantized (its answers "
+                         "and features then come from the quantized model; use a data directory of its own)")
     ap.add_argument("--json", action="store_true", help="print the final summary as JSON")
     args = ap.parse_args(argv)
     try:
@@ -148,6 +151,8 @@ def main(argv=None) -> int:
         print(f"error: {args.recipe}: data.max_new_tokens (or --max-new-tokens) must be a whole number of at "
               f"least 1, got {n_new!r}", file=sys.stderr)
         return 2
+    if args.quantize:
+        recipe["target"]["quantize"] = None if args.quantize == "none" else args.quantize
     if args.out_dir:
         recipe["train"]["out_dir"] = args.out_dir
     if args.init_from:
@@ -165,7 +170,7 @@ def main(argv=None) -> int:
     base = Path(args.recipe).resolve().parent.parent  # recipes live in <repo>/train/
     out = Path(recipe["train"].get("out_dir", "runs/default"))
     out.mkdir(parents=True, exist_ok=True)
-    target = eagle_jax.load_target(recipe["target"]["model"])
+    target = eagle_jax.load_target(recipe["target"]["model"], quantize=recipe["target"].get("quantize"))
     d = recipe["data"]
     data_dir = Path(d.get("dir", out / "data"))
     try:

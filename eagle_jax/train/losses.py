@@ -17,6 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from eagle_jax.quant import dequantize
+
 
 def _masked_mean(x, m):
     return jnp.sum(x * m) / jnp.maximum(jnp.sum(m), 1.0)
@@ -97,7 +99,7 @@ def eagle3_loss(head, target, tokens, hidden, aux, mask, ttt_length=7, step_deca
     b, t1 = toks.shape
     positions = jnp.broadcast_to(jnp.arange(t1), (b, t1))
     draft_ids = jnp.arange(head.cfg.draft_vocab_size) + head.d2t[...]
-    w = target.lm_head_weight()[:, draft_ids]  # [H, Vd]
+    w = dequantize(target.lm_head_weight())[:, draft_ids]  # [H, Vd] (a quantized lm_head, dequantized)
     target_logits = jnp.einsum("BTH,HV->BTV", hidden[:, 1:], w, preferred_element_type=jnp.float32)
     p = jax.nn.softmax(target_logits, axis=-1)
     target_top = jnp.argmax(target_logits, axis=-1)

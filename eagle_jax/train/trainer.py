@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from eagle_jax.compiling import jit_pair, param_count, quick
 from eagle_jax.draft import DraftHead, save_draft
+from eagle_jax.quant import dequantize
 from eagle_jax.sharding import check_fits, place_experts
 from eagle_jax.train import losses
 from eagle_jax.train.features import Batch, FeatureExtractor, token_batches
@@ -311,11 +312,14 @@ def init_head(target, kind: str = "eagle3", draft_vocab_size: int | None = None,
         head.d2t[...] = np.asarray(d2t, np.int32)
     if init_from_target_layer:
         top = target.model.layers[target.cfg.num_layers - 1]
-        for name in ("wo", "w_gate", "w_up", "w_down"):
-            getattr(head, name)[...] = getattr(top, name)[...]
+        if target.cfg.num_experts:
+            raise ValueError("init_from_target_layer copies the target's MLP: a MoE target's experts do not fit "
+                             "the head's dense MLP")
+        for name in ("wo", "w_gate", "w_up", "w_down"):  # (a quantized target's matrices, dequantized)
+            getattr(head, name)[...] = dequantize(getattr(top, name)[...], head.fc[...].dtype)
         head.post_norm[...] = top.mlp_norm[...]
         if kind == "eagle3":
             keep = np.arange(cfg.draft_vocab_size) + np.asarray(head.d2t[...])
-            head.lm_head[...] = np.asarray(target.model.lm_head_weight())[:, keep]
+            head.lm_head[...] = np.asarray(dequantize(target.model.lm_head_weight()))[:, keep]
             head.norm[...] = target.model.final_norm[...]
     return head
