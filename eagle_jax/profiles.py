@@ -146,6 +146,8 @@ def profile_key(target, head, buckets: Sequence[int], candidates: Sequence[str],
         ident["programs"] = "greedy"  # the all-greedy steps (the general ones keep their existing keys)
     if pages is not None:
         ident["pages"] = [int(p) for p in pages]  # paged caches: (block size, pool slots)
+    if target.model.quantization is not None:  # quantized matrices change what every step costs
+        ident["quantization"] = list(target.model.quantization)
     mesh = sharding.mesh_shape(target.model.mesh)
     if mesh != sharding.mesh_shape(None):  # a sharded target's steps cost what its mesh shape makes them
         ident["mesh"] = mesh

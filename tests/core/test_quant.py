@@ -76,6 +76,18 @@ def test_a_quantized_target_is_small_and_speculation_equals_its_own_plain_decodi
     assert reference[0][:2] == plain.token_ids[0][:2]  # close to the full-precision model at first
 
 
+def test_a_quantized_target_has_cost_profiles_of_its_own():
+    from eagle_jax.profiles import profile_key
+
+    full, q8, q4 = tiny_target(CFG), tiny_target(CFG), tiny_target(CFG)
+    quant.quantize_model(q8.model, "int8")
+    quant.quantize_model(q4.model, "int4", group=32)
+    keys = {profile_key(t, None, [1], ["off"], 64) for t in (full, q8, q4)}
+    assert len(keys) == 3
+    with pytest.raises(quant.QuantizeError, match="already quantized"):
+        quant.quantize_model(q8.model, "int4")
+
+
 def test_quantize_on_load_and_on_the_command_line(tiny_chat_model):
     with pytest.raises(quant.QuantizeError, match="cannot be sharded"):
         eagle_jax.load_target(tiny_chat_model, quantize="int8", tensor_parallel=2)
