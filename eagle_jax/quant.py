@@ -14,7 +14,8 @@ stay in full precision for now).
 dequantization is written inside the product (the int8 / fp8 values are converted as the dot's operand
 and the scale applied to its output; int4 multiplies group by group and scales each group's partial
 sum), so XLA on GPU / TPU fuses the convert into the dot and no full-precision copy of the matrix is
-made per step. XLA:CPU materialises the converted operand anyway (measured in `benchmarks/quantized.py`).
+made per step (on GPU / TPU; not yet checked in their compiled HLO). `benchmarks/quantized.py` times one
+product per scheme on this machine.
 """
 
 from __future__ import annotations
