@@ -25,22 +25,9 @@ import functools
 import json
 import platform
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
-def median_time(fn, reps=9):
-    import numpy as np
-
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
 
 
 def feed(harness, trees, accept: float, accept_chain: float, steps: int = 400, seed: int = 0):
@@ -69,6 +56,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     from flax import nnx
 
+    from cost_curves import median_time
     from eagle_jax.config import ModelConfig
     from eagle_jax.draft import random_head
     from eagle_jax.harness import DEFAULT_CANDIDATES, Harness, candidate_trees
@@ -97,7 +85,7 @@ def main(argv=None) -> int:
         curve = {}
         for n in (1, 2, 4, 8, 16, 32, 64):
             toks = jnp.zeros((1, n), jnp.int32)
-            curve[n] = median_time(lambda: verify(g, st, toks, cache).block_until_ready())
+            curve[n] = median_time(lambda: verify(g, st, toks, cache).block_until_ready(), reps=9)
         head = random_head(cfg, "eagle3", seed=1)
         seconds = measure_profile(target, head, [1], [None] + trees, cache_len=256, draft_len=256, reps=5,
                                   context=args.context, sampling=False)

@@ -353,3 +353,19 @@ def tree_verify_vs_hf(target, model, prompt, n: int = 7, seed: int = 0) -> float
         worst = max(worst, float(np.abs(ours[i] - ref).max() / np.abs(ref).max()))
     assert len(set(depth.tolist())) > 2  # a tree several levels deep, not a chain or a fan
     return worst
+
+
+def cli_texts_plain_and_random_head(model_dir) -> list[dict]:
+    """`python -m eagle_jax.generate --json` on model_dir, plain and with `--draft random --tree 3,2,6`: both
+    outputs (a random head is lossless, so the two must match)."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "eagle_jax.generate", "--model", str(model_dir), "--prompt", "Hello there",
+           "--max-new-tokens", "16", "--json"]
+    outs = []
+    for extra in ([], ["--draft", "random", "--tree", "3,2,6"]):
+        proc = subprocess.run(cmd + extra, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outs.append(json.loads(proc.stdout))
+    return outs

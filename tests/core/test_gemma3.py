@@ -57,21 +57,11 @@ def test_plain_greedy_decoding_equals_transformers_past_the_window(tiny_hf, tmp_
 
 def test_generate_cli_with_a_random_head_on_gemma3_equals_plain(tiny_hf, tmp_path):
     """The CLI on a Gemma 3 directory with a tokenizer: `--draft random` gives plain decoding's text."""
-    import json
-    import subprocess
-    import sys
-
-    from builders import write_tiny_chat_model
+    from builders import cli_texts_plain_and_random_head, write_tiny_chat_model
 
     model_dir = write_tiny_chat_model(tmp_path / "gemma")  # its character tokenizer and chat template...
     tiny_hf("gemma3_text", vocab_size=97, eos_token_id=2, bos_token_id=0, pad_token_id=0,
             **{**GEMMA3, "num_hidden_layers": 6, "layer_types": None}).save_pretrained(model_dir)  # ...a Gemma 3
-    cmd = [sys.executable, "-m", "eagle_jax.generate", "--model", str(model_dir), "--prompt", "Hello there",
-           "--max-new-tokens", "16", "--json"]
-    outs = []
-    for extra in ([], ["--draft", "random", "--tree", "3,2,6"]):
-        proc = subprocess.run(cmd + extra, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        outs.append(json.loads(proc.stdout))
+    outs = cli_texts_plain_and_random_head(model_dir)
     assert outs[0]["model"] == "gemma" and len(outs[0]["token_ids"][0]) > 0
     assert outs[1]["token_ids"] == outs[0]["token_ids"] and outs[1]["texts"] == outs[0]["texts"]

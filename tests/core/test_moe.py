@@ -5,9 +5,6 @@ speculation over them (greedy token for token, sampling by chi-square)."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -147,20 +144,15 @@ def test_speculative_greedy_equals_plain(family, kind, tree, tiny_hf, tmp_path):
     assert len(set(map(tuple, plain.token_ids))) == 3
 
 
-def test_generate_cli_with_a_random_head_on_mixtral_equals_plain(tiny_hf, tmp_path):
-    from builders import write_tiny_chat_model
+@pytest.mark.parametrize("family", ["mixtral", "qwen3-moe"])
+def test_generate_cli_with_a_random_head_equals_plain(family, tiny_hf, tmp_path):
+    from builders import cli_texts_plain_and_random_head, write_tiny_chat_model
 
-    model_dir = write_tiny_chat_model(tmp_path / "mixtral")  # its character tokenizer and chat template...
-    tiny_hf("mixtral", vocab_size=97, eos_token_id=2, bos_token_id=0, pad_token_id=0, num_hidden_layers=4,
-            **MIXTRAL).save_pretrained(
-        model_dir)  # ...with a Mixtral's weights
-    cmd = [sys.executable, "-m", "eagle_jax.generate", "--model", str(model_dir), "--prompt", "Hello there",
-           "--max-new-tokens", "16", "--json"]
-    outs = []
-    for extra in ([], ["--draft", "random", "--tree", "3,2,6"]):
-        proc = subprocess.run(cmd + extra, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        outs.append(json.loads(proc.stdout))
+    arch, overrides = FAMILIES[family]
+    model_dir = write_tiny_chat_model(tmp_path / family)  # its character tokenizer and chat template...
+    tiny_hf(arch, vocab_size=97, eos_token_id=2, bos_token_id=0, pad_token_id=0, num_hidden_layers=4,
+            **overrides).save_pretrained(model_dir)  # ...with a MoE model's weights
+    outs = cli_texts_plain_and_random_head(model_dir)
     assert len(outs[0]["token_ids"][0]) > 0
     assert outs[1]["token_ids"] == outs[0]["token_ids"] and outs[1]["texts"] == outs[0]["texts"]
 
