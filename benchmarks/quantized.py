@@ -2,7 +2,8 @@
 
     python benchmarks/quantized.py [--prompts 8] [--new-tokens 64] [--json results/quantized.json]
 
-For full precision (f32 on CPU) and each scheme (int8, fp8, int4 in groups of 64), in one process:
+For full precision (f32 on CPU) and each scheme (int8 and fp8 per output channel, int4 in groups of 32, and
+gguf: the file's own Q4_1 / Q8_0 blocks kept), in one process:
 * weight_bytes: bytes of the target's parameters in memory, and the ratio to full precision;
 * perplexity of MT-bench's GPT-4 reference answers (held text: neither SmolLM2's writing nor training
   data) under the chat template, over their answer tokens (up to 256 a conversation, `--ppl-texts` of them);
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--ppl-texts", type=int, default=20)
-    ap.add_argument("--schemes", default="none,int8,fp8,int4")
+    ap.add_argument("--schemes", default="none,int8,fp8,int4,gguf")
     ap.add_argument("--json", default="results/quantized.json")
     args = ap.parse_args(argv)
     import jax
@@ -121,7 +122,7 @@ def main(argv=None) -> int:
         row["agreement"] = float(np.mean(flat))
         row["same_outputs"] = sum(a == b for a, b in zip(plain_ids, reference))
         mm = jax.jit(quant.matmul)
-        wq = w if s is None else quant.quantize(w, s)
+        wq = w if s is None else quant.quantize(w, "int4" if s == "gguf" else s)  # (gguf: Q4_1's int4 product)
         mm(x, wq).block_until_ready()
         t0 = time.perf_counter()
         for _ in range(200):

@@ -1,5 +1,6 @@
 """GGUF checkpoints (llama.cpp's format): the config from its metadata, the tokenizer from its vocabulary,
-and the weights dequantized through the `gguf` package into the model's parameters."""
+and the weights dequantized through the `gguf` package into the model's parameters, or, with
+keep_blocks, the quantized matrices kept in the file's blocks (`eagle_jax.gguf_blocks`, `quant.from_blocks`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 
+from eagle_jax import gguf_blocks
 from eagle_jax.checkpoint import LoadError, Target, assemble
 from eagle_jax.config import ConfigError, ModelConfig, RopeConfig, SUPPORTED_ARCHITECTURES
 
@@ -48,6 +50,8 @@ GGUF_EXPERTS = (
     ("blk.{i}.ffn_up_exps.weight", ("layers", "w_up"), "last2"),
     ("blk.{i}.ffn_down_exps.weight", ("layers", "w_down"), "last2"),
 )
+# Tensors a keep_blocks load still dequantizes: the MoE router and stacked experts.
+KEPT_DENSE = ("ffn_gate_inp.weight", "_exps.weight")
 GEMMA3_SWA_PATTERN = 6  # every sixth layer is global; GGUF does not store the pattern (llama.cpp fixes it too)
 GEMMA3_LOCAL_ROPE_BASE = 10_000.0  # the sliding-window layers' rope base, likewise not stored
 
@@ -209,8 +213,15 @@ def gguf_tokenizer(reader, source: str):
     return PreTrainedTokenizerFast(tokenizer_object=backend, **tok_cfg, **(extra or {}))
 
 
-def load_gguf(path, dtype=jnp.float32, tokenizer: bool = True, name: str | None = None) -> Target:
+def load_gguf(path, dtype=jnp.float32, tokenizer: bool = True, name: str | None = None,
+              keep_blocks: bool = False) -> Target:
+    """The target in a GGUF file. keep_blocks: the attention, MLP, embedding and lm_head matrices stored in a
+    block type `gguf_blocks` reads stay quantized, exactly as in the file (4-bit blocks as int4, the others
+    as int8, with the file's groups, scales and minimums: `model.quantization` is ("gguf", None, True));
+    other tensors, and MoE experts, are dequantized to dtype."""
     import gguf
+
+    from eagle_jax.quant import QuantizeError, from_blocks
 
     path = Path(path)
     reader = gguf_reader(path)
@@ -225,6 +236,12 @@ def load_gguf(path, dtype=jnp.float32, tokenizer: bool = True, name: str | None 
 
     def read(n):
         t = tensors[n]
+        kind = t.tensor_type.name
+        if keep_blocks and kind in gguf_blocks.LAYOUT and len(t.shape) == 2 and not n.endswith(KEPT_DENSE):
+            try:
+                return gguf_blocks.decode(t.data.reshape(int(t.shape[1]), -1), kind, int(t.shape[0]))
+            except ValueError as e:
+                raise LoadError(f"{source}: cannot read tensor {n!r}'s {kind} blocks: {e}") from None
         try:
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
         except Exception as e:
@@ -235,6 +252,14 @@ def load_gguf(path, dtype=jnp.float32, tokenizer: bool = True, name: str | None 
         return arr.reshape(shape_of(n))
 
     def transform(n, arr):
+        if isinstance(arr, gguf_blocks.Blocks):  # rows reordered like a dense tensor's, then the model's form
+            if permute and (n.endswith("attn_q.weight") or n.endswith("attn_k.weight")):
+                heads = cfg.num_heads if n.endswith("attn_q.weight") else cfg.num_kv_heads
+                arr = arr.rows(unpermute_qk(np.arange(arr.shape[0]), heads))
+            try:
+                return from_blocks(arr, name=n)
+            except QuantizeError as e:
+                raise LoadError(f"{source}: tensor {n!r}: {e}") from None
         if cfg.norm_offset and n.endswith("norm.weight"):
             return arr - cfg.norm_offset  # llama.cpp's converter stores Gemma's (1 + w); the model adds the 1
         if permute and n.endswith("attn_q.weight"):
@@ -248,5 +273,7 @@ def load_gguf(path, dtype=jnp.float32, tokenizer: bool = True, name: str | None 
         table = tuple(e for e in table if not e[0].startswith("blk.{i}.ffn_") or e[0] == "blk.{i}.ffn_norm.weight")
         table += GGUF_EXPERTS
     model = assemble(cfg, table, list(tensors), read, shape_of, source, GGUF_IGNORED, transform, dtype)
+    if keep_blocks:
+        model.quantization = ("gguf", None, True)
     tok = gguf_tokenizer(reader, source) if tokenizer else None
     return Target(model=model, tokenizer=tok, name=name or path.stem, source=source)

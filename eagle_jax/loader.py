@@ -236,13 +236,15 @@ def builtin_path(name: str) -> Path:
 
 def load_target(name_or_path: str | os.PathLike, dtype=None, tokenizer: bool = True, tensor_parallel: int = 1,
                 data_parallel: int = 1, expert_parallel: int = 1, quantize: str | None = None,
-                quantize_group: int = 64) -> Target:
+                quantize_group: int | None = None) -> Target:
     """Loads a target: a built-in name, a Hugging Face directory, or a .gguf file.
 
     dtype defaults to float32 on CPU and bfloat16 on accelerators. tensor_parallel / data_parallel /
     expert_parallel (MoE targets): the parameters are sharded over a mesh of that many devices
     (`eagle_jax.sharding.shard_target`). quantize: "int8", "fp8" or "int4" (groups of quantize_group
-    rows) stores the attention and MLP matrices weight-only quantized (`eagle_jax.quant`); None keeps
+    rows; default 32 for int4 and one scale per output column for int8 / fp8) stores the attention, MLP,
+    embedding and lm_head matrices weight-only quantized (`eagle_jax.quant`); "gguf" (a .gguf file or a
+    built-in model) keeps the file's quantized blocks as they are instead of dequantizing them; None keeps
     them in dtype.
     """
     from eagle_jax.quant import QuantizeError, SCHEMES, quantize_model
@@ -253,29 +255,35 @@ def load_target(name_or_path: str | os.PathLike, dtype=None, tokenizer: bool = T
     if quantize is not None and tensor_parallel * data_parallel * expert_parallel > 1:
         raise QuantizeError("a quantized target cannot be sharded over a mesh yet: drop --quantize or the "
                             "parallel settings")
-    target = _load(name_or_path, dtype, tokenizer)
-    if quantize is not None:
+    target = _load(name_or_path, dtype, tokenizer, keep_blocks=quantize == "gguf")
+    if quantize not in (None, "gguf"):
         quantize_model(target.model, quantize, quantize_group)
     if tensor_parallel * data_parallel * expert_parallel == 1:
         return target
     return shard_target(target, tensor_parallel, data_parallel, expert_parallel=expert_parallel)
 
 
-def _load(name_or_path, dtype, tokenizer: bool) -> Target:
+def _load(name_or_path, dtype, tokenizer: bool, keep_blocks: bool = False) -> Target:
     import jax
 
     if dtype is None:
         dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     key = str(name_or_path)
     if key.lower() in BUILTIN_MODELS:
-        return load_gguf(builtin_path(key.lower()), dtype=dtype, tokenizer=tokenizer, name=key.lower())
+        return load_gguf(builtin_path(key.lower()), dtype=dtype, tokenizer=tokenizer, name=key.lower(),
+                         keep_blocks=keep_blocks)
     path = Path(key).expanduser()
     if not path.exists():
         raise LoadError(
             f"{key}: no such file or directory (and not a built-in model; built-ins: {', '.join(BUILTIN_MODELS)})"
         )
+    if path.suffix.lower() == ".gguf" and not path.is_dir():
+        return load_gguf(path, dtype=dtype, tokenizer=tokenizer, keep_blocks=keep_blocks)
+    if keep_blocks:
+        from eagle_jax.quant import QuantizeError
+
+        raise QuantizeError(f"{path}: quantize 'gguf' keeps a GGUF file's blocks, and this is not a .gguf file "
+                            f"(use int8, fp8 or int4)")
     if path.is_dir():
         return load_hf_dir(path, dtype=dtype, tokenizer=tokenizer)
-    if path.suffix.lower() == ".gguf":
-        return load_gguf(path, dtype=dtype, tokenizer=tokenizer)
     raise LoadError(f"{path}: unrecognised model file (expected a .gguf file or a Hugging Face directory)")

@@ -209,6 +209,9 @@ def from_arrays(cfg: ModelConfig, arrays: dict[tuple[str, ...], np.ndarray], dty
     leaves = []
     for path, var in flat:
         key = tuple(str(k) for k in path)
+        if isinstance(arrays[key], QuantizedWeight):  # kept as the checkpoint stores it (`quant.from_blocks`)
+            leaves.append((path, var.replace(arrays[key])))
+            continue
         arr = np.asarray(arrays[key])
         value = jax.device_put(jnp.asarray(arr, dtype=dtype), sharding) if sharding else jnp.asarray(arr, dtype)
         leaves.append((path, var.replace(value)))

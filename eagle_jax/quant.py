@@ -1,21 +1,24 @@
-"""Weight-only quantization of a target: int8 and fp8 (e4m3) per output channel, int4 in groups.
+"""Weight-only quantization of a target: int8 and fp8 (e4m3) per output channel, int4 in groups, and a
+GGUF file's own blocks kept as they are.
 
 A quantized matrix is a `QuantizedWeight` (a pytree: it lives inside the model's `nnx.Param`s and goes
-through jit, sharding and `nnx.split` like an array) holding:
-  int8   values int8 [..., K, N], scale [..., 1, N]: w = values * scale (symmetric, per output column);
-  fp8    values float8_e4m3fn [..., K, N], scale [..., 1, N]: w = values * scale (amax maps to 448);
-  int4   values uint8 [..., K / 2, N] (two 4-bit codes a byte: row 2i in the low nibble, 2i + 1 in the
-         high one), scale and zero [..., K / group, 1, N] in the compute dtype: w = (code - zero) * scale
-         per group of `group` rows (asymmetric: codes 0..15 span each group's min..max).
-`quantize` keeps leading axes; `quantize_model` quantizes 2-D matrices (a MoE layer's stacked experts
+through jit, sharding and `nnx.split` like an array) of a dense [..., K, N] matrix (K the contracted axis)
+stored in G groups of K / G consecutive rows:
+  values  int8 [..., K, N] (int8), float8_e4m3fn [..., K, N] (fp8), or uint8 [..., K / 2, N] (int4: two
+          4-bit codes 0..15 a byte, row 2i in the low nibble and 2i + 1 in the high one);
+  scale   [..., G, 1, N] and bias [..., G, 1, N] or None: w = value * scale + bias in each group.
+`quantize` makes int8 / fp8 symmetric per output column (G = 1, no bias) and int4 asymmetric in groups of
+32 rows (bias = the group's minimum; scale and bias in float16, as llama.cpp's Q4_1 stores them).
+`from_blocks` keeps a GGUF tensor's blocks (`eagle_jax.gguf_blocks`): Q4_0 / Q4_1 / Q4_K as int4 and Q8_0 /
+Q5_* / Q6_K as int8, in their groups of 32 or 16 with the file's scales and minimums, so the quantized
+target holds what the file holds. `quantize_model` quantizes 2-D matrices (a MoE layer's stacked experts
 stay in full precision for now).
 
 `matmul(x, w)` is the one product every layer uses: x @ w for an array, and for a quantized matrix the
-dequantization is written inside the product (the int8 / fp8 values are converted as the dot's operand
-and the scale applied to its output; int4 multiplies group by group and scales each group's partial
-sum), so XLA on GPU / TPU fuses the convert into the dot and no full-precision copy of the matrix is
-made per step (on GPU / TPU; not yet checked in their compiled HLO). `benchmarks/quantized.py` times one
-product per scheme on this machine.
+dequantization is written inside the product (the codes are converted as the dot's operand and each
+group's partial sum scaled, plus bias * the group's sum of x), so no full-precision copy of the matrix is
+kept between steps. Whether the compiler materialises the converted operand inside a step is its choice:
+`benchmarks/quantized.py` measures it on this machine.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SCHEMES = ("int8", "fp8", "int4")
-DEFAULT_GROUP = 64  # int4 rows per scale
+SCHEMES = ("int8", "fp8", "int4", "gguf")
+INT4_GROUP = 32  # int4 rows per scale, the size of llama.cpp's 4-bit blocks
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 # Matrices a quantized target stores quantized: attention and MLP (the embedding and lm_head with
 # `embeddings=True`). Norms, biases and the MoE router stay in full precision.
@@ -43,21 +46,26 @@ class QuantizeError(ValueError):
 class QuantizedWeight:
     values: jax.Array
     scale: jax.Array
-    zero: jax.Array | None = None  # int4 only
-    scheme: str = dataclasses.field(default="int8", metadata=dict(static=True))
+    bias: jax.Array | None = None
+    scheme: str = dataclasses.field(default="int8", metadata=dict(static=True))  # int8, fp8 or int4 (values)
     shape: tuple[int, ...] = dataclasses.field(default=(), metadata=dict(static=True))  # the dense matrix's
 
     @property
     def dtype(self):
-        return self.scale.dtype
+        """The dense matrix's dtype: the scale's, or float32 where scales are stored in float16 (int4, GGUF)."""
+        return jnp.dtype(jnp.float32) if self.scale.dtype == jnp.float16 else self.scale.dtype
 
     @property
     def ndim(self) -> int:
         return len(self.shape)
 
     @property
+    def groups(self) -> int:
+        return int(self.scale.shape[-3])
+
+    @property
     def nbytes(self) -> int:
-        return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in (self.values, self.scale, self.zero)
+        return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in (self.values, self.scale, self.bias)
                    if a is not None)
 
     def __getitem__(self, index):  # `param[...]` (how the model reads its parameters) gives the matrix itself
@@ -70,39 +78,59 @@ class QuantizedWeight:
         raise TypeError("a quantized matrix cannot be transposed; quantize the lm_head separately")
 
 
-def quantize(w, scheme: str, group: int = DEFAULT_GROUP, name: str = "weight") -> QuantizedWeight:
-    """The quantized form of w [..., K, N] (K the contracted axis); `name` goes into errors."""
-    if scheme not in SCHEMES:
-        raise QuantizeError(f"quantize scheme must be one of {SCHEMES}, got {scheme!r}")
+def _pack4(codes):
+    """Codes [..., K, N] in 0..15 -> bytes [..., K / 2, N] (row 2i low nibble, 2i + 1 high)."""
+    return codes[..., 0::2, :] | (codes[..., 1::2, :] << 4)
+
+
+def quantize(w, scheme: str, group: int | None = None, name: str = "weight") -> QuantizedWeight:
+    """The quantized form of w [..., K, N] (K the contracted axis); `name` goes into errors. group: rows per
+    scale (int4: default 32; int8 / fp8: default None, one scale per output column)."""
+    if scheme not in ("int8", "fp8", "int4"):
+        raise QuantizeError(f"quantize scheme must be one of int8, fp8, int4, got {scheme!r}")
     w = jnp.asarray(w)
-    dtype = w.dtype
-    wf = w.astype(jnp.float32)
-    if scheme in ("int8", "fp8"):
-        amax = jnp.max(jnp.abs(wf), axis=-2, keepdims=True)
-        top = 127.0 if scheme == "int8" else FP8_MAX
-        scale = jnp.where(amax > 0, amax / top, 1.0)
-        if scheme == "int8":
-            values = jnp.clip(jnp.round(wf / scale), -127, 127).astype(jnp.int8)
-        else:
-            values = (wf / scale).astype(jnp.float8_e4m3fn)
-        return QuantizedWeight(values, scale.astype(dtype), None, scheme, tuple(w.shape))
     k = w.shape[-2]
-    if k % group or group % 2:
-        raise QuantizeError(f"int4 groups of {group} rows do not divide {name}'s {k} rows (shape {tuple(w.shape)}); "
-                            f"pick a group size that divides {k}")
-    g = wf.reshape(w.shape[:-2] + (k // group, group, w.shape[-1]))  # [..., G, group, N]
+    group = (INT4_GROUP if scheme == "int4" else k) if group is None else group
+    if k % group or (scheme == "int4" and group % 2):
+        raise QuantizeError(f"{scheme} groups of {group} rows do not divide {name}'s {k} rows (shape "
+                            f"{tuple(w.shape)}); pick a group size that divides {k}")
+    g = w.astype(jnp.float32).reshape(w.shape[:-2] + (k // group, group, w.shape[-1]))  # [..., G, group, N]
+    if scheme in ("int8", "fp8"):
+        amax = jnp.max(jnp.abs(g), axis=-2, keepdims=True)
+        top = 127.0 if scheme == "int8" else FP8_MAX
+        scale = jnp.where(amax > 0, amax / top, 1.0).astype(w.dtype)
+        q = g / scale.astype(jnp.float32)
+        values = (jnp.clip(jnp.round(q), -127, 127).astype(jnp.int8) if scheme == "int8"
+                  else q.astype(jnp.float8_e4m3fn))
+        return QuantizedWeight(values.reshape(w.shape), scale, None, scheme, tuple(w.shape))
     lo, hi = jnp.min(g, axis=-2, keepdims=True), jnp.max(g, axis=-2, keepdims=True)
-    scale = jnp.where(hi > lo, (hi - lo) / 15.0, 1.0)
-    zero = jnp.round(-lo / scale)
-    codes = jnp.clip(jnp.round(g / scale) + zero, 0, 15).astype(jnp.uint8).reshape(w.shape)
-    packed = codes[..., 0::2, :] | (codes[..., 1::2, :] << 4)  # [..., K / 2, N]
-    return QuantizedWeight(packed, scale.astype(dtype), zero.astype(dtype), "int4", tuple(w.shape))
+    scale = jnp.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(jnp.float16)
+    bias = lo.astype(jnp.float16)  # rounded first, so the codes are chosen against what is stored
+    codes = jnp.round((g - bias.astype(jnp.float32)) / scale.astype(jnp.float32))
+    codes = jnp.clip(codes, 0, 15).astype(jnp.uint8).reshape(w.shape)
+    return QuantizedWeight(_pack4(codes), scale, bias, "int4", tuple(w.shape))
 
 
-def _int4_codes(q: QuantizedWeight):
-    """The 4-bit codes [..., K, N] of an int4 matrix, unpacked (as int8)."""
-    low, high = q.values & 0xF, q.values >> 4
-    both = jnp.stack([low, high], axis=-2)  # [..., K / 2, 2, N]
+def from_blocks(blocks, name: str = "weight") -> QuantizedWeight:
+    """A GGUF tensor's `gguf_blocks.Blocks` (rows N of K values, as the file holds a [N, K] matrix) as the
+    quantized [K, N] matrix the model multiplies by: the file's codes, scales and minimums, moved only."""
+    n, k = blocks.codes.shape
+    groups = blocks.scale.shape[1]
+    scale = jnp.asarray(blocks.scale.T.reshape(groups, 1, n))
+    bias = None if blocks.bias is None else jnp.asarray(blocks.bias.T.reshape(groups, 1, n))
+    codes = np.ascontiguousarray(blocks.codes.T)  # [K, N]
+    if blocks.bits == 4:
+        if codes.min(initial=0) < 0 or codes.max(initial=0) > 15:
+            raise QuantizeError(f"{name}: 4-bit codes outside 0..15")
+        return QuantizedWeight(jnp.asarray(_pack4(codes.astype(np.uint8))), scale, bias, "int4", (k, n))
+    return QuantizedWeight(jnp.asarray(codes.astype(np.int8)), scale, bias, "int8", (k, n))
+
+
+def codes(q: QuantizedWeight):
+    """The codes [..., K, N] of q: its values, or an int4 matrix's unpacked (as int8)."""
+    if q.scheme != "int4":
+        return q.values
+    both = jnp.stack([q.values & 0xF, q.values >> 4], axis=-2)  # [..., K / 2, 2, N]
     return both.reshape(q.shape).astype(jnp.int8)
 
 
@@ -111,12 +139,11 @@ def dequantize(q, dtype=None):
     if not isinstance(q, QuantizedWeight):
         return q
     dtype = dtype or q.dtype
-    if q.scheme != "int4":
-        return (q.values.astype(jnp.float32) * q.scale.astype(jnp.float32)).astype(dtype)
     k, n = q.shape[-2:]
-    groups = q.scale.shape[-3]
-    codes = _int4_codes(q).astype(jnp.float32).reshape(q.shape[:-2] + (groups, k // groups, n))
-    w = (codes - q.zero.astype(jnp.float32)) * q.scale.astype(jnp.float32)
+    c = codes(q).astype(jnp.float32).reshape(q.shape[:-2] + (q.groups, k // q.groups, n))
+    w = c * q.scale.astype(jnp.float32)
+    if q.bias is not None:
+        w = w + q.bias.astype(jnp.float32)
     return w.reshape(q.shape).astype(dtype)
 
 
@@ -125,17 +152,20 @@ def matmul(x, w):
     if not isinstance(w, QuantizedWeight):
         return x @ w
     if w.ndim != 2:
-        raise ValueError(f"matmul takes a 2-D quantized matrix, got shape {w.shape} (use expert_matmul)")
-    if w.scheme != "int4":
-        return (x @ w.values.astype(x.dtype)) * w.scale[0].astype(x.dtype)
+        raise ValueError(f"matmul takes a 2-D quantized matrix, got shape {w.shape}")
     k, n = w.shape
-    groups = w.scale.shape[0]
+    groups = w.groups
+    scale = w.scale[:, 0].astype(x.dtype)  # [G, N]
+    if groups == 1:
+        out = (x @ codes(w).astype(x.dtype)) * scale[0]
+        if w.bias is not None:
+            out = out + jnp.sum(x, axis=-1, keepdims=True) * w.bias[0, 0].astype(x.dtype)
+        return out
     xg = x.reshape(x.shape[:-1] + (groups, k // groups))  # [..., G, group]
-    codes = _int4_codes(w).astype(x.dtype).reshape(groups, k // groups, n)
-    partial = jnp.einsum("...gk,gkn->...gn", xg, codes)  # per group: x . codes
-    # (codes - zero) * scale, summed over the group: scale * (x . codes - zero * sum(x)).
-    sums = jnp.sum(xg, axis=-1)[..., None]  # [..., G, 1]
-    out = (partial - sums * w.zero[:, 0].astype(x.dtype)) * w.scale[:, 0].astype(x.dtype)
+    partial = jnp.einsum("...gk,gkn->...gn", xg, codes(w).astype(x.dtype).reshape(groups, k // groups, n))
+    out = partial * scale  # each group's x . codes, scaled
+    if w.bias is not None:  # plus bias times the group's sum of x
+        out = out + jnp.sum(xg, axis=-1)[..., None] * w.bias[:, 0].astype(x.dtype)
     return jnp.sum(out, axis=-2)
 
 
@@ -144,16 +174,15 @@ def take_columns(q, ids, dtype):
     tied embedding is stored transposed ([H, V], the lm_head's form), so a lookup takes its columns."""
     k = q.shape[0]
     flat = ids.reshape(-1)
-    if q.scheme != "int4":
-        cols = jnp.take(q.values, flat, axis=1).astype(jnp.float32) * jnp.take(q.scale[0], flat)[None].astype(jnp.float32)
-    else:
-        packed = jnp.take(q.values, flat, axis=1)  # [K / 2, T]
-        codes = jnp.stack([packed & 0xF, packed >> 4], axis=1).reshape(k, -1).astype(jnp.float32)
-        groups = q.scale.shape[0]
-        scale = jnp.take(q.scale[:, 0], flat, axis=1).astype(jnp.float32)[:, None]  # [G, 1, T]
-        zero = jnp.take(q.zero[:, 0], flat, axis=1).astype(jnp.float32)[:, None]
-        cols = ((codes.reshape(groups, k // groups, -1) - zero) * scale).reshape(k, -1)
-    return cols.T.reshape(ids.shape + (k,)).astype(dtype)
+    taken = jnp.take(q.values, flat, axis=1)  # [K (or K / 2), T]
+    if q.scheme == "int4":
+        taken = jnp.stack([taken & 0xF, taken >> 4], axis=1).reshape(k, -1)
+    groups = q.groups
+    cols = taken.astype(jnp.float32).reshape(groups, k // groups, -1)
+    cols = cols * jnp.take(q.scale[:, 0], flat, axis=1).astype(jnp.float32)[:, None]
+    if q.bias is not None:
+        cols = cols + jnp.take(q.bias[:, 0], flat, axis=1).astype(jnp.float32)[:, None]
+    return cols.reshape(k, -1).T.reshape(ids.shape + (k,)).astype(dtype)
 
 
 def weight_bytes(tree) -> int:
@@ -162,12 +191,16 @@ def weight_bytes(tree) -> int:
     return int(sum(int(np.prod(np.shape(a))) * np.dtype(a.dtype).itemsize for a in leaves if hasattr(a, "dtype")))
 
 
-def quantize_model(model, scheme: str | None, group: int = DEFAULT_GROUP, embeddings: bool = True):
+def quantize_model(model, scheme: str | None, group: int | None = None, embeddings: bool = True):
     """Quantizes the target's attention and MLP matrices in place (`MATRICES`; 2-D ones) and, with
     embeddings, its embedding (stored transposed, [H, V], so the tied lm_head is a plain quantized
-    matrix) and lm_head; returns the model. scheme None leaves it as it is."""
+    matrix) and lm_head; returns the model. scheme None leaves it as it is; group None is the scheme's
+    default (`quantize`)."""
     if scheme is None:
         return model
+    if scheme == "gguf":
+        raise QuantizeError("quantize 'gguf' keeps a GGUF file's blocks as it loads: pass it to load_target "
+                            "with a .gguf file or a built-in model")
     if scheme not in SCHEMES:
         raise QuantizeError(f"quantize must be one of {SCHEMES} or None, got {scheme!r}")
     if model.mesh is not None:
@@ -192,8 +225,9 @@ def add_quantize_args(parser) -> None:
     """--quantize on a CLI (generate, bench, serve)."""
     parser.add_argument("--quantize", choices=[*SCHEMES, "none"], default=None,
                         help="store the target's attention, MLP, embedding and lm_head matrices weight-only "
-                             "quantized: int8 or fp8 (e4m3) per output channel, int4 in groups of 64 rows "
-                             "(default: none, full precision)")
+                             "quantized: int8 or fp8 (e4m3) per output channel, int4 in groups of 32 rows, or "
+                             "gguf: a GGUF file's own blocks as they are (4-bit ones as int4, the others as "
+                             "int8; default: none, full precision)")
 
 
 def scheme_from_arg(value: str | None) -> str | None:

@@ -21,7 +21,8 @@ def fill(entries: Iterable[tuple[str, Hashable, bool]], shapes: dict, tensor_nam
     """Parameter key -> array, for every entry whose key is in `shapes` (parameter key -> shape).
 
     An entry's transpose is False, True (reverse every axis) or "last2" (swap the last two: a stack of
-    matrices stored transposed).
+    matrices stored transposed). A `read` (or `transform`) may return a value that is not an ndarray: a
+    parameter it has already put in the model's form (a quantized matrix), stored as it is.
 
     Entries whose key the model does not have are skipped (an architecture without biases; a tied
     lm_head), and their tensors count as used when `optional(name, key)` says the file may carry them.
@@ -50,7 +51,10 @@ def fill(entries: Iterable[tuple[str, Hashable, bool]], shapes: dict, tensor_nam
         arr = read(name)
         if transform is not None:
             arr = transform(name, arr)
-        arrays[key] = np.swapaxes(arr, -1, -2) if transpose == "last2" else (arr.T if transpose else arr)
+        if not isinstance(arr, np.ndarray):
+            arrays[key] = arr
+        else:
+            arrays[key] = np.swapaxes(arr, -1, -2) if transpose == "last2" else (arr.T if transpose else arr)
         consumed.add(name)
     patterns = [re.compile(re.escape(p) + "$") if isinstance(p, str) else p for p in ignored]
     leftovers = sorted(n for n in available - consumed if not any(p.match(n) for p in patterns))

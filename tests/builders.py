@@ -229,10 +229,11 @@ def _llama3_rope_freqs(cfg) -> np.ndarray:
     return np.asarray(out, np.float32)
 
 
-def write_llama_gguf(model, path, *, vocab_size_key: bool = True) -> None:
+def write_llama_gguf(model, path, *, vocab_size_key: bool = True, block_types: dict | None = None) -> None:
     """Writes a transformers Llama (or Mixtral) as an F32 GGUF laid out like llama.cpp's converter output:
     Mixtral is architecture "llama" with expert counts, a router (ffn_gate_inp) and each layer's experts
-    stacked into ffn_{gate,up,down}_exps."""
+    stacked into ffn_{gate,up,down}_exps. block_types: {part of a tensor name: GGUF block type}, e.g.
+    {"attn_q": "Q4_0", "token_embd": "Q8_0"}: those tensors are written quantized by `gguf.quants`."""
     import gguf
 
     cfg = model.config
@@ -248,6 +249,16 @@ def write_llama_gguf(model, path, *, vocab_size_key: bool = True) -> None:
             sd = {k: v.astype(np.float32) for f in sorted(Path(saved).glob("*.safetensors"))
                   for k, v in load_file(str(f)).items()}
     w = gguf.GGUFWriter(str(path), "llama")
+    plain_add = w.add_tensor
+
+    def add_tensor(name, arr):
+        kind = next((t for part, t in (block_types or {}).items() if part in name), None)
+        if kind is None:
+            return plain_add(name, arr)
+        qtype = getattr(gguf.GGMLQuantizationType, kind)
+        plain_add(name, gguf.quants.quantize(np.ascontiguousarray(arr, np.float32), qtype), raw_dtype=qtype)
+
+    w.add_tensor = add_tensor
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)

@@ -53,7 +53,7 @@ class ServeConfig:
     log_level: str = "info"
     tensor_parallel: int = 1  # devices the target is sharded over (`eagle_jax.sharding`)
     data_parallel: int = 1  # groups of tensor_parallel devices that batch rows are split over
-    quantize: str | None = None  # "int8" / "fp8" / "int4": the target's matrices weight-only quantized
+    quantize: str | None = None  # "int8" / "fp8" / "int4" / "gguf": the target's matrices weight-only quantized
     expert_parallel: int = 1  # MoE targets: groups of tensor_parallel devices each layer's experts are split over
     distributed: bool = False  # join other processes (jax.distributed); process 0 serves HTTP
 

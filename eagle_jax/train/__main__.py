@@ -132,7 +132,7 @@ def main(argv=None) -> int:
                     help="call jax.distributed.initialize() (multi-host TPU / GPU; auto-detected on TPU pods)")
     ap.add_argument("--data-only", action="store_true",
                     help="stop after the data stage (prompts and the target's answers written)")
-    ap.add_argument("--quantize", choices=["int8", "fp8", "int4", "none"],
+    ap.add_argument("--quantize", choices=["int8", "fp8", "int4", "gguf", "none"],
                     help="override target.quantize: the frozen target's matrices weight-only quantized (its answers "
                          "and features then come from the quantized model; use a data directory of its own)")
     ap.add_argument("--json", action="store_true", help="print the final summary as JSON")

@@ -80,3 +80,19 @@ def test_speculative_greedy_with_a_random_head_equals_plain_across_the_window(ge
                               ignore_eos=True)
     assert spec.token_ids == plain.token_ids
     assert "France" in plain.texts[1]  # a base model: it continues the sentence, sensibly
+
+
+def test_its_k_quant_blocks_kept_equal_the_dequantized_weights(gemma):
+    """quantize="gguf" on the Q4_K_M file: Q4_K matrices as int4, Q5_0 / Q6_K / Q8_0 ones as int8, each bit
+    for bit what the full-precision load holds, in far fewer bytes."""
+    from eagle_jax import quant
+
+    kept = eagle_jax.load_target("gemma-3-270m", quantize="gguf", tokenizer=False)
+    schemes = set()
+    for i in range(gemma.cfg.num_layers):
+        for name in quant.MATRICES:
+            w = getattr(kept.model.layers[i], name)[...]
+            schemes.add((w.scheme, w.shape[0] // w.groups))
+            np.testing.assert_array_equal(np.asarray(quant.dequantize(w)), np.asarray(getattr(gemma.model.layers[i], name)[...]))
+    assert schemes == {("int4", 32), ("int8", 32), ("int8", 16)}  # Q4_K; Q5_0 and Q8_0; Q6_K
+    assert quant.weight_bytes(nnx.state(kept.model)) < 0.35 * quant.weight_bytes(nnx.state(gemma.model))

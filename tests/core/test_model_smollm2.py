@@ -111,7 +111,8 @@ def test_stop_string_cuts_text(ours):
     assert "Wednesday" not in ours.tokenizer.decode(r.token_ids[0][:-1])
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "eagle1"])
+# EAGLE-1 here; the shipped EAGLE-3 head's runs (`test_heads.py`) check EAGLE-3 on this model token for token.
+@pytest.mark.parametrize("kind", ["eagle1"])
 def test_speculative_greedy_with_a_random_head_equals_plain_on_the_real_model(ours, kind):
     head = eagle_jax.random_head(ours.cfg, kind, seed=1)
     prompts = CHAT_PROMPTS[:3]

@@ -1,6 +1,6 @@
 """Weight-only quantization (`eagle_jax.quant`): the schemes' error bounds, the dequantizing product, the
-quantized embedding lookup, a quantized target's size, and speculation that stays lossless with respect
-to the quantized target."""
+quantized embedding lookup, GGUF blocks kept exactly as the file holds them, a quantized target's size,
+and speculation that stays lossless with respect to the quantized target."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import pytest
 from flax import nnx
 
 import eagle_jax
-from builders import TINY, tiny_target
-from eagle_jax import quant
+from builders import SMALL_VOCAB, TINY, make_tiny_hf, tiny_target, two_sample_p, write_llama_gguf
+from eagle_jax import gguf_blocks, quant
 from eagle_jax.draft import random_head
 
 RNG = np.random.default_rng(0)
@@ -24,7 +24,10 @@ W = RNG.normal(size=(128, 96)).astype(np.float32) * 0.05
 X = RNG.normal(size=(3, 5, 128)).astype(np.float32)
 
 
-@pytest.mark.parametrize("scheme", quant.SCHEMES)
+DENSE_SCHEMES = ("int8", "fp8", "int4")
+
+
+@pytest.mark.parametrize("scheme", DENSE_SCHEMES)
 def test_dequantized_weights_are_within_the_schemes_error_bound(scheme):
     q = quant.quantize(W, scheme, group=32)
     err = np.abs(np.asarray(quant.dequantize(q)) - W)
@@ -32,20 +35,97 @@ def test_dequantized_weights_are_within_the_schemes_error_bound(scheme):
         bound = np.abs(W).max(axis=0) / 127 / 2
     elif scheme == "fp8":  # e4m3: 3 mantissa bits, relative 2^-4 (and the subnormal step near 0)
         bound = np.abs(W) * 2.0 ** -4 + np.abs(W).max(axis=0) / 448 * 2.0 ** -9
-    else:  # half a step of (max - min) / 15 per group of 32 rows
+    else:  # half a step of (max - min) / 15 per group of 32 rows (scale and minimum rounded to float16)
         g = W.reshape(4, 32, 96)
-        bound = np.repeat((g.max(axis=1) - g.min(axis=1)) / 15 / 2, 32, axis=0)
+        bound = np.repeat((g.max(axis=1) - g.min(axis=1)) / 15 / 2, 32, axis=0) + 2.0 ** -10 * np.abs(W).max()
+        assert q.scale.dtype == q.bias.dtype == jnp.float16 and q.values.shape == (64, 96)
     assert np.all(err <= bound * 1.001 + 1e-7)
     assert err.max() > 0  # it did quantize
 
 
-@pytest.mark.parametrize("scheme", quant.SCHEMES)
+@pytest.mark.parametrize("scheme", DENSE_SCHEMES)
 def test_the_dequantizing_product_and_lookup_equal_the_dequantized_matrix(scheme):
     q = quant.quantize(W, scheme, group=32)
     dense = np.asarray(quant.dequantize(q))
     np.testing.assert_allclose(np.asarray(quant.matmul(jnp.asarray(X), q)), X @ dense, rtol=1e-5, atol=1e-5)
     ids = jnp.asarray([[3, 95], [0, 3]])
     np.testing.assert_array_equal(np.asarray(quant.take_columns(q, ids, jnp.float32)), dense.T[np.asarray(ids)])
+
+
+F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
+              "Q6_K": [208]}  # byte offsets of each block's float16 scales / minimums
+
+
+def _random_blocks(kind: str, rows: int, k: int):
+    """Random bytes in `kind`'s block layout (every bit pattern of the codes and 6-bit scales is valid),
+    with finite float16 scales: [rows, bytes a row]."""
+    per, size = gguf_blocks.LAYOUT[kind]
+    raw = RNG.integers(0, 256, size=(rows * k // per, size), dtype=np.uint8)
+    for at in F16_FIELDS[kind]:
+        raw[:, at:at + 2] = (RNG.normal(size=(len(raw), 1)) * 0.02).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("kind", list(gguf_blocks.LAYOUT))
+def test_gguf_blocks_are_kept_exactly_and_multiply_like_the_dequantized_matrix(kind):
+    import gguf
+
+    rows, k = 48, 512
+    raw = _random_blocks(kind, rows, k)
+    file_matrix = gguf.quants.dequantize(raw, getattr(gguf.GGMLQuantizationType, kind)).reshape(rows, k)  # [N, K]
+    q = quant.from_blocks(gguf_blocks.decode(raw, kind, k), name="t")
+    assert q.scheme == ("int4" if kind in gguf_blocks.FOUR_BIT else "int8") and q.shape == (k, rows)
+    assert q.groups == k // (16 if kind == "Q6_K" else 32)
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(q)), file_matrix.T)  # bit for bit
+    x = RNG.normal(size=(2, 3, k)).astype(np.float32)
+    want = x @ file_matrix.T.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(quant.matmul(jnp.asarray(x), q)), want, rtol=1e-4,
+                               atol=1e-5 * np.abs(want).max())
+    ids = jnp.asarray([[3, 47], [0, 3]])
+    np.testing.assert_array_equal(np.asarray(quant.take_columns(q, ids, jnp.float32)), file_matrix[np.asarray(ids)])
+    with pytest.raises(ValueError, match=f"{kind} rows of {k + 256} values need"):
+        gguf_blocks.decode(raw, kind, k + 256)
+
+
+GGUF_TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q5_0", "attn_output": "Q5_1", "ffn_": "Q8_0",
+              "token_embd": "Q8_0", "output.weight": "Q4_1"}  # (first match: attn_output is Q5_1)
+
+
+def test_a_gguf_target_loads_with_its_blocks_kept_and_speculation_equals_its_plain_decoding(tmp_path):
+    from eagle_jax.loader import LoadError
+
+    path = tmp_path / "blocks.gguf"
+    write_llama_gguf(make_tiny_hf("llama", num_hidden_layers=4), path, block_types=GGUF_TYPES)
+    dense = eagle_jax.load_target(str(path), tokenizer=False)
+    kept = eagle_jax.load_target(str(path), tokenizer=False, quantize="gguf")
+    assert kept.model.quantization == ("gguf", None, True)
+    for i, layer in enumerate(kept.model.layers):
+        for name in quant.MATRICES:
+            w = getattr(layer, name)[...]
+            assert isinstance(w, quant.QuantizedWeight), (i, name)
+            np.testing.assert_array_equal(np.asarray(quant.dequantize(w)), np.asarray(getattr(dense.model.layers[i], name)[...]))
+    assert kept.model.layers[0].wq[...].scheme == "int4" and kept.model.layers[0].wv[...].scheme == "int8"
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(kept.model.embed[...])).T, np.asarray(dense.model.embed[...]))
+    assert kept.model.lm_head[...].scheme == "int4"  # untied: the file's output.weight, kept too
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(kept.model.lm_head[...])), np.asarray(dense.model.lm_head[...]))
+    assert quant.weight_bytes(nnx.state(kept.model)) < 0.35 * quant.weight_bytes(nnx.state(dense.model))
+    ids = jnp.asarray([[5, 9, 11, 200, 3]], jnp.int32)
+    logits = lambda t: np.asarray(t.model(ids, t.model.init_cache(1, 16)).logits)
+    np.testing.assert_allclose(logits(kept), logits(dense), rtol=1e-4, atol=1e-4 * np.abs(logits(dense)).max())
+    prompts = [[5, 9, 11], [3, 1, 4, 1, 5, 9, 2, 6]]
+    plain = eagle_jax.generate(kept, prompts, max_new_tokens=12, ignore_eos=True)
+    spec = eagle_jax.generate(kept, prompts, random_head(kept.cfg, "eagle3", seed=1), tree="3,2,6",
+                              max_new_tokens=12, ignore_eos=True)
+    assert spec.token_ids == plain.token_ids and plain.stats["quantization"] == "gguf"
+    with pytest.raises(quant.QuantizeError, match="keeps a GGUF file's blocks as it loads"):
+        quant.quantize_model(dense.model, "gguf")
+    # A damaged block row names the tensor.
+    with pytest.raises(LoadError, match="blk.0.attn_q.weight"):
+        from eagle_jax.gguf_file import load_gguf
+        import unittest.mock as mock
+
+        with mock.patch.object(gguf_blocks, "LAYOUT", {**gguf_blocks.LAYOUT, "Q4_0": (32, 17)}):
+            load_gguf(path, tokenizer=False, keep_blocks=True)
 
 
 def test_bad_settings_name_the_problem():
@@ -76,6 +156,24 @@ def test_a_quantized_target_is_small_and_speculation_equals_its_own_plain_decodi
     assert reference[0][:2] == plain.token_ids[0][:2]  # close to the full-precision model at first
 
 
+@pytest.mark.slow
+def test_sampled_speculation_over_an_int4_target_matches_its_plain_sampling():
+    """Temperature 1: the first two tokens of 8192 samples, speculative (EAGLE-1 head, a 2,3,7 tree) against
+    the quantized target's own plain sampling, by chi-square over the 12 x 12 pairs."""
+    target = tiny_target(SMALL_VOCAB, seed=4)
+    target.model.embed[...] = target.model.embed[...] * (15 / 25)  # a few nats of spread: not one-hot
+    quant.quantize_model(target.model, "int4", group=16)
+
+    def first_two(head, tree=None):
+        r = eagle_jax.generate(target, [[3, 1, 4]] * 8192, draft=head, tree=tree, max_new_tokens=2,
+                               temperature=1.0, seed=0, ignore_eos=True)
+        return [tuple(t[:2]) for t in r.token_ids]
+
+    plain, spec = first_two(None), first_two(random_head(SMALL_VOCAB, "eagle1", seed=2), "2,3,7")
+    assert len(set(plain)) > 20  # sampling, not a near-greedy single answer
+    assert two_sample_p(plain, spec, 12) > 0.01
+
+
 def test_a_quantized_target_has_cost_profiles_of_its_own():
     from eagle_jax.profiles import profile_key
 
@@ -89,6 +187,8 @@ def test_a_quantized_target_has_cost_profiles_of_its_own():
 
 
 def test_quantize_on_load_and_on_the_command_line(tiny_chat_model):
+    with pytest.raises(quant.QuantizeError, match="is not a .gguf file"):
+        eagle_jax.load_target(tiny_chat_model, quantize="gguf")
     with pytest.raises(quant.QuantizeError, match="cannot be sharded"):
         eagle_jax.load_target(tiny_chat_model, quantize="int8", tensor_parallel=2)
     with pytest.raises(quant.QuantizeError, match="quantize must be one of"):
@@ -104,3 +204,27 @@ def test_quantize_on_load_and_on_the_command_line(tiny_chat_model):
     assert stats["quantization"] == "int8" and 0 < stats["weight_bytes"]
     ours = eagle_jax.generate(target, [[{"role": "user", "content": "Hello there"}]], max_new_tokens=8)
     assert json.loads(out.stdout)["token_ids"] == ours.token_ids
+
+
+def test_smollm2_with_its_gguf_blocks_kept_holds_the_file_s_weights_in_the_file_s_size(smollm2):
+    """The built-in SmolLM2 file (Q4_1 matrices, a Q8_0 embedding) loaded with quantize="gguf": every matrix
+    dequantizes bit for bit to what the full-precision load holds, in about the file's bytes, and the
+    shipped head's speculation equals the kept model's own plain decoding."""
+    from eagle_jax.loader import builtin_path, resolve_draft
+
+    kept = eagle_jax.load_target("smollm2-135m-instruct", quantize="gguf")
+    for i in (0, 17, 29):
+        for name in quant.MATRICES:
+            w = getattr(kept.model.layers[i], name)[...]
+            assert w.scheme == "int4" and w.groups == w.shape[0] // 32, (i, name)
+            np.testing.assert_array_equal(np.asarray(quant.dequantize(w)), np.asarray(getattr(smollm2.model.layers[i], name)[...]))
+    assert kept.model.embed[...].scheme == "int8"
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(kept.model.embed[...])).T, np.asarray(smollm2.model.embed[...]))
+    size = quant.weight_bytes(nnx.state(kept.model))
+    assert size <= 0.2 * quant.weight_bytes(nnx.state(smollm2.model))
+    assert size <= builtin_path("smollm2-135m-instruct").stat().st_size
+    prompts = ["What is the capital of France?", "Write a haiku about the sea."]
+    plain = eagle_jax.generate(kept, prompts, max_new_tokens=24)
+    spec = eagle_jax.generate(kept, prompts, resolve_draft("default", kept), tree="3,4,8", max_new_tokens=24)
+    assert spec.token_ids == plain.token_ids and "Paris" in plain.texts[0]
+    assert spec.stats["tau"] > 1.3 and plain.stats["weight_bytes"] == size
