@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 
+from eagle_jax.quant import SCHEMES
 from eagle_jax.serve.config import DEFAULT_MAX_MODEL_LEN, ConfigError, ServeConfig, load_preset
 
 
@@ -74,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                         f"vocabulary and KV cache (default: {d.tensor_parallel})")
     a("--data-parallel", type=int, metavar="M", help="split batch rows over M groups of --tensor-parallel devices "
                                                       f"(needs --block-size 0; default: {d.data_parallel})")
-    a("--quantize", choices=["int8", "fp8", "int4", "gguf", "none"],
+    a("--quantize", choices=[*SCHEMES, "none"],
       help="store the target's matrices weight-only quantized; gguf keeps a GGUF file's own blocks (default: none)")
     a("--expert-parallel", type=int, metavar="E", help="MoE targets: split each layer's experts over E groups of "
                                                         f"--tensor-parallel devices (default: {d.expert_parallel})")

@@ -17,6 +17,8 @@ import time
 import tomllib
 from pathlib import Path
 
+from eagle_jax.quant import SCHEMES
+
 KNOWN = {
     "target": {"model", "quantize"},
     "head": {"kind", "draft_vocab_size", "init_from_target_layer", "init_from", "seed", "export_dtype"},
@@ -132,7 +134,7 @@ def main(argv=None) -> int:
                     help="call jax.distributed.initialize() (multi-host TPU / GPU; auto-detected on TPU pods)")
     ap.add_argument("--data-only", action="store_true",
                     help="stop after the data stage (prompts and the target's answers written)")
-    ap.add_argument("--quantize", choices=["int8", "fp8", "int4", "gguf", "none"],
+    ap.add_argument("--quantize", choices=[*SCHEMES, "none"],
                     help="override target.quantize: the frozen target's matrices weight-only quantized (its answers "
                          "and features then come from the quantized model; use a data directory of its own)")
     ap.add_argument("--json", action="store_true", help="print the final summary as JSON")
