@@ -229,3 +229,28 @@ def test_smollm2_with_its_gguf_blocks_kept_holds_the_file_s_weights_in_the_file_
     spec = eagle_jax.generate(kept, prompts, resolve_draft("default", kept), tree="3,4,8", max_new_tokens=12)
     assert spec.token_ids == plain.token_ids and "Paris" in plain.texts[0]
     assert spec.stats["tau"] > 1.3 and plain.stats["weight_bytes"] == size
+
+
+def test_the_hlo_check_finds_every_full_precision_weight_copy(tmp_path):
+    """The README's `benchmarks/quantized_hlo.py` on one layer of SmolLM2's shapes: full precision writes no
+    copy of a weight; a quantized step on XLA:CPU writes one f32 copy of each quantized matrix (the 7 of the
+    layer and the embedding), the copies the README's table reports. On a GPU or TPU, the check under test
+    is that the dequantization fuses into the dots: no copy."""
+    import jax
+
+    from doc_commands import doc_command, run
+
+    out = tmp_path / "hlo.json"
+    run(doc_command("python benchmarks/quantized_hlo.py"), "--layers", "1", "--tokens", "1", "--reps", "1",
+        "--schemes", "none,int8,int4", "--json", str(out))
+    rows = {r["scheme"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["none"]["copies"] == 0 and rows["none"]["copy_bytes"] == 0
+    matrices = 576 * (576 * 2 + 192 * 2 + 1536 * 3) + 49152 * 576
+    for scheme in ("int8", "int4"):
+        assert rows[scheme]["weight_bytes"] < 0.3 * rows["none"]["weight_bytes"]
+        if jax.default_backend() == "cpu":
+            assert rows[scheme]["copies"] == 8, rows[scheme]["copy_lines"]
+            assert rows[scheme]["copy_bytes"] == 4 * matrices
+            assert all("convert" in line for line in rows[scheme]["copy_lines"])
+        else:
+            assert rows[scheme]["copies"] == 0, rows[scheme]["copy_lines"]
