@@ -238,8 +238,8 @@ def main(argv=None) -> int:
         log.flush()
         acc = " ".join(f"{a:.3f}" for a in rec["acc"])
         extra = f" eval_acc {' '.join(f'{a:.3f}' for a in rec['eval_acc'])}" if "eval_acc" in rec else ""
-        print(f"[train] step {rec['step']} loss {rec['loss']:.4f} acc {acc}{extra} "
-              f"{rec['tokens_per_s']:.0f} tok/s", flush=True)
+        rate = "" if rec["tokens_per_s"] is None else f" {rec['tokens_per_s']:.0f} tok/s"
+        print(f"[train] step {rec['step']} loss {rec['loss']:.4f} acc {acc}{extra}{rate}", flush=True)
 
     hist = trainer.train(train_rows, eval_rows=eval_rows, checkpointer=ckpt, on_log=on_log, features_dir=feat_dir)
     ckpt.wait()

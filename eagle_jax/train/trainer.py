@@ -200,7 +200,9 @@ class Trainer:
         cfg = self.cfg
         steps = steps or cfg.steps
         history = []
-        t0, tokens_seen = time.perf_counter(), 0
+        # Trained tokens/s over each log interval: from the end of the first step (which compiles) and
+        # not counting the evaluation and checkpoint of the previous log.
+        mark, tokens_seen, tokens_mark = None, 0, 0
         while self.step < steps:
             for next_pos, batch in self.batches(rows, features_dir):
                 self.key, sub = jax.random.split(self.key)
@@ -210,11 +212,17 @@ class Trainer:
                 self.step += 1
                 self.data_pos = next_pos if next_pos < len(rows) else 0
                 tokens_seen += int(batch.valid.sum())
-                if self.step % cfg.log_every == 0 or self.step == steps:
+                if mark is None:
+                    jax.block_until_ready(metrics)
+                    mark, tokens_mark = time.perf_counter(), tokens_seen
+                logged = self.step % cfg.log_every == 0 or self.step == steps
+                if logged:
                     m = jax.device_get(metrics)
+                    now = time.perf_counter()
                     rec = {"step": self.step, "loss": float(m["loss"]), "acc": np.asarray(m["acc"]).tolist(),
                            "grad_norm": float(m["grad_norm"]),
-                           "tokens_per_s": tokens_seen / (time.perf_counter() - t0)}
+                           "tokens_per_s": (tokens_seen - tokens_mark) / (now - mark) if tokens_seen > tokens_mark
+                           else None}
                     if eval_rows is not None and (self.step % cfg.eval_every == 0 or self.step == steps):
                         rec["eval_acc"] = self.evaluate(eval_rows)
                     history.append(rec)
@@ -222,6 +230,8 @@ class Trainer:
                         on_log(rec)
                 if checkpointer is not None and (self.step % cfg.checkpoint_every == 0 or self.step == steps):
                     checkpointer.save(self)
+                if logged:
+                    mark, tokens_mark = time.perf_counter(), tokens_seen
                 if self.step >= steps or (stop_after is not None and self.step >= stop_after):
                     return history
                 if self.data_pos == 0:

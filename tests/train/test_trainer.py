@@ -36,6 +36,8 @@ def test_loss_decreases_and_held_out_acceptance_rises(setup, kind):
     after = hist[-1]["eval_acc"]
     assert hist[-1]["loss"] < hist[0]["loss"]
     assert after[0] > before[0] + 0.5 and after[0] > 0.8, (before, after)
+    # trained tokens/s in every log interval (the first counted from the end of the compiling first step)
+    assert all(h["tokens_per_s"] > 0 for h in hist) and len(hist) == 20
     if kind == "eagle3":  # later TTT steps learn too
         assert min(after) > 0.6
 
