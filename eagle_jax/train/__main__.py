@@ -127,6 +127,14 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int,
                     help="override data.max_new_tokens (longest answer the target writes; a new data directory)")
     ap.add_argument("--batch-size", type=int, help="override train.batch_size (conversations per step)")
+    ap.add_argument("--answer-batch-size", type=int,
+                    help="override data.batch_size (prompts the target answers at once; a greedy data directory "
+                         "may be continued with another, e.g. a larger one on an accelerator)")
+    ap.add_argument("--data-time-limit", type=float, metavar="SECONDS",
+                    help="start no new shard of answers after SECONDS; train on what is answered (rerun to go on)")
+    ap.add_argument("--train-time-limit", type=float, metavar="SECONDS",
+                    help="end training with the first step that ends after SECONDS of training: checkpointed and "
+                         "exported as at the last step (rerun to continue)")
     ap.add_argument("--seq-len", type=int, help="override train.seq_len (tokens per conversation, longer ones cut)")
     ap.add_argument("--out-dir", help="override train.out_dir (checkpoints, metrics, the exported head)")
     ap.add_argument("--init-from", help="override head.init_from: continue from this exported head directory")
@@ -146,6 +154,13 @@ def main(argv=None) -> int:
         return 2
     if args.limit is not None:
         recipe["data"]["limit"] = args.limit
+    if args.answer_batch_size is not None:
+        recipe["data"]["batch_size"] = args.answer_batch_size
+    for flag in ("steps", "batch_size", "seq_len", "answer_batch_size", "data_time_limit", "train_time_limit"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            print(f"error: --{flag.replace('_', '-')} must be positive, got {value}", file=sys.stderr)
+            return 2
     if args.max_new_tokens is not None:
         recipe["data"]["max_new_tokens"] = args.max_new_tokens
     n_new = recipe["data"].get("max_new_tokens", 256)  # checked wherever it came from, before the model loads
@@ -191,7 +206,8 @@ def main(argv=None) -> int:
     n_use = len(prompts) if d.get("limit") is None else min(int(d["limit"]), len(prompts))
     stored = json.loads((data_dir / "prompts.json").read_text()) if (data_dir / "prompts.json").exists() else prompts
     data.generate_dataset(target, stored, data_dir, settings, limit=n_use,
-                          progress=lambda n: print(f"[data] +{n} answers", flush=True))
+                          progress=lambda n: print(f"[data] +{n} answers", flush=True),
+                          deadline=None if args.data_time_limit is None else time.monotonic() + args.data_time_limit)
     rows = data.read_dataset(data_dir)[:n_use]
     n_hold = max(1, int(len(rows) * float(d.get("holdout", 0.1))))
     train_rows, eval_rows = rows[:-n_hold], rows[-n_hold:]
@@ -241,7 +257,9 @@ def main(argv=None) -> int:
         rate = "" if rec["tokens_per_s"] is None else f" {rec['tokens_per_s']:.0f} tok/s"
         print(f"[train] step {rec['step']} loss {rec['loss']:.4f} acc {acc}{extra}{rate}", flush=True)
 
-    hist = trainer.train(train_rows, eval_rows=eval_rows, checkpointer=ckpt, on_log=on_log, features_dir=feat_dir)
+    deadline = None if args.train_time_limit is None else time.monotonic() + args.train_time_limit
+    hist = trainer.train(train_rows, eval_rows=eval_rows, checkpointer=ckpt, on_log=on_log, features_dir=feat_dir,
+                         deadline=deadline)
     ckpt.wait()
     head_dir = export(trainer, out / "head", dtype=h.get("export_dtype", "float32"))
     # The last step of this run evaluated already; a rerun of a finished run (no steps) evaluates here.

@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 from typing import Iterable, Sequence, Union
 
@@ -216,19 +217,29 @@ def _batches(rows: Sequence[int], size: int, consecutive: bool) -> list[list[int
     return [run[b: b + size] for run in runs for b in range(0, len(run), size)]
 
 
+def _identity(settings: dict | None) -> dict | None:
+    """The settings that define a directory's answers: all but a greedy one's batch size."""
+    if settings is None or settings.get("temperature", 0.0) > 0:
+        return settings
+    return {k: v for k, v in settings.items() if k != "batch_size"}
+
+
 def _prompts_sha(prompts: Sequence[Prompt]) -> str:
     return hashlib.sha256(json.dumps(list(prompts)).encode()).hexdigest()
 
 
 def generate_dataset(target, prompts: Sequence[Prompt], out_dir,
                      settings: GenerationSettings = GenerationSettings(), limit: int | None = None,
-                     progress=None) -> dict:
+                     progress=None, deadline: float | None = None) -> dict:
     """Writes shards of conversation token ids (prompts and the target's answers) to out_dir; resumable.
     Returns the manifest.
 
     A prompt that is a list of strings is a conversation: turn 1 is answered, the answer is appended as
     the assistant message with the next user turn, and so on; the loss mask covers every answer.
     `limit` stops after that many prompts in total (raise it later to extend the data).
+    deadline (a `time.monotonic()` value): no shard is started after it (a time-boxed run; rerun to go on).
+    Greedy answers do not depend on the batch size, so a greedy directory may be continued with another
+    `settings.batch_size` (a larger batch for a larger machine); sampled ones seed by batch and may not.
     """
     import eagle_jax
 
@@ -245,7 +256,7 @@ def generate_dataset(target, prompts: Sequence[Prompt], out_dir,
                 "target": target.name}
     if manifest_path.exists():
         old = json.loads(manifest_path.read_text())
-        if old.get("settings") != manifest["settings"]:
+        if _identity(old.get("settings")) != _identity(manifest["settings"]):
             raise ValueError(f"{manifest_path}: existing data was made with other generation settings "
                              f"({old.get('settings')}); use a new directory")
         # Prompts may be appended (more data later); the answered ones must not change.
@@ -257,7 +268,7 @@ def generate_dataset(target, prompts: Sequence[Prompt], out_dir,
         manifest = dict(old, prompts=len(prompts))
     tok = target.tokenizer
     end = len(prompts) if limit is None else min(limit, len(prompts))
-    while manifest["done"] < end:
+    while manifest["done"] < end and (deadline is None or time.monotonic() < deadline):
         start = manifest["done"]
         stop = min(start + settings.shard_size, end)  # the last shard before `limit` may be short
         turns = {i: prompt_turns(prompts[i]) for i in range(start, stop)}

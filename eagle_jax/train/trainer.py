@@ -191,8 +191,10 @@ class Trainer:
 
     def train(self, rows, steps: int | None = None, eval_rows=None, checkpointer=None,
               on_log: Callable[[dict], None] | None = None, stop_after: int | None = None,
-              features_dir=None) -> list[dict]:
+              features_dir=None, deadline: float | None = None) -> list[dict]:
         """Runs until `steps` (default cfg.steps); cycles over `rows` in order, resuming at data_pos.
+        deadline (a `time.monotonic()` value): the first step that ends after it is the run's last, logged,
+        evaluated and checkpointed as the final step is (a time-boxed run; rerun to continue).
 
         With features_dir the target's features of each batch are computed once, written there and
         read back in later epochs (`features.cached_feature_batches`).
@@ -215,7 +217,8 @@ class Trainer:
                 if mark is None:
                     jax.block_until_ready(metrics)
                     mark, tokens_mark = time.perf_counter(), tokens_seen
-                logged = self.step % cfg.log_every == 0 or self.step == steps
+                last = self.step == steps or (deadline is not None and time.monotonic() >= deadline)
+                logged = self.step % cfg.log_every == 0 or last
                 if logged:
                     m = jax.device_get(metrics)
                     now = time.perf_counter()
@@ -223,16 +226,16 @@ class Trainer:
                            "grad_norm": float(m["grad_norm"]),
                            "tokens_per_s": (tokens_seen - tokens_mark) / (now - mark) if tokens_seen > tokens_mark
                            else None}
-                    if eval_rows is not None and (self.step % cfg.eval_every == 0 or self.step == steps):
+                    if eval_rows is not None and (self.step % cfg.eval_every == 0 or last):
                         rec["eval_acc"] = self.evaluate(eval_rows)
                     history.append(rec)
                     if on_log:
                         on_log(rec)
-                if checkpointer is not None and (self.step % cfg.checkpoint_every == 0 or self.step == steps):
+                if checkpointer is not None and (self.step % cfg.checkpoint_every == 0 or last):
                     checkpointer.save(self)
                 if logged:
                     mark, tokens_mark = time.perf_counter(), tokens_seen
-                if self.step >= steps or (stop_after is not None and self.step >= stop_after):
+                if last or self.step >= steps or (stop_after is not None and self.step >= stop_after):
                     return history
                 if self.data_pos == 0:
                     break  # epoch boundary: restart the iterator from row 0

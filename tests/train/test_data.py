@@ -102,6 +102,30 @@ def test_shards_hold_prompt_plus_target_answer_and_resume_exactly(tiny_with_real
         data.generate_dataset(tgt, changed, tmp_path / "grown", settings)
 
 
+def test_greedy_data_continues_with_another_batch_size_and_stops_at_its_deadline(tiny_with_real_tokenizer, tmp_path):
+    """A greedy directory may be continued with a larger batch (an accelerator's), with the answers a single
+    run gives; a deadline already past starts no shard, and the next run goes on where it stopped."""
+    import time
+
+    tgt = tiny_with_real_tokenizer
+    prompts = data.topic_prompts(["rivers", "bread", "chess"])[:8]
+    small = data.GenerationSettings(max_new_tokens=6, batch_size=2, shard_size=4)
+    whole = data.generate_dataset(tgt, prompts, tmp_path / "whole", small)
+    assert whole["done"] == 8
+    assert data.generate_dataset(tgt, prompts, tmp_path / "mixed", small, limit=4)["done"] == 4
+    stopped = data.generate_dataset(tgt, prompts, tmp_path / "mixed", small, deadline=time.monotonic())
+    assert stopped["done"] == 4 and len(stopped["shards"]) == 1
+    data.generate_dataset(tgt, prompts, tmp_path / "mixed", dataclasses.replace(small, batch_size=4))
+    for (ta, ma), (tb, mb) in zip(data.read_dataset(tmp_path / "whole"), data.read_dataset(tmp_path / "mixed"),
+                                  strict=True):
+        np.testing.assert_array_equal(ta, tb)
+        np.testing.assert_array_equal(ma, mb)
+    sampled = dataclasses.replace(small, temperature=0.9)
+    data.generate_dataset(tgt, prompts, tmp_path / "sampled", sampled, limit=4)
+    with pytest.raises(ValueError, match="other generation settings"):  # sampled rows are seeded by batch
+        data.generate_dataset(tgt, prompts, tmp_path / "sampled", dataclasses.replace(sampled, batch_size=4))
+
+
 @pytest.mark.slow
 def test_multi_turn_conversations_hold_every_answer_under_the_loss_mask(tiny_with_real_tokenizer, tmp_path):
     tgt = tiny_with_real_tokenizer

@@ -105,8 +105,11 @@ def test_recipe_runs_end_to_end_resumes_and_exports_a_loadable_head(tiny_model_d
     cont.write_text(recipe.read_text().replace('draft_vocab_size = 512', f'draft_vocab_size = 512\ninit_from = "{summary["head"]}"')
                     .replace(f'out_dir = "{tmp_path / "run"}"', f'out_dir = "{tmp_path / "run2"}"')
                     .replace('path = "%s" }]' % jsonl, 'path = "%s" }, { kind = "jsonl", path = "%s" }]' % (jsonl, more)))
-    third = _run_here(cont, "--steps", "1")
+    # Time-boxed, with another answer batch size (greedy data does not depend on it): the first step that ends
+    # after the limit is the last, exported as a finished run's.
+    third = _run_here(cont, "--train-time-limit", "0.001", "--answer-batch-size", "2")
     assert third.returncode == 0, third.stderr[-3000:]
+    assert json.loads(third.stdout.strip().splitlines()[-1])["steps"] == 1
     assert "[head] initialised from" in third.stdout
     assert "[data] 10 prompts" in third.stdout and "[data] 8 train / 2 held-out" in third.stdout
     assert json.loads((tmp_path / "run" / "data" / "manifest.json").read_text())["done"] == 10
@@ -122,6 +125,8 @@ def test_recipe_runs_end_to_end_resumes_and_exports_a_loadable_head(tiny_model_d
     bad.write_text(cont.read_text().replace("draft_vocab_size = 512", "draft_vocab_size = 256"))
     out = _run_here(bad)
     assert out.returncode == 2 and "init_from" in out.stderr and "256" in out.stderr
+    out = _run_here(recipe, "--train-time-limit", "0")
+    assert out.returncode == 2 and "--train-time-limit must be positive" in out.stderr
 
 
 def test_recipe_errors_name_the_problem(tmp_path):

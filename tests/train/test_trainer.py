@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from eagle_jax.draft import load_draft, random_head
-from eagle_jax.train.trainer import OptimConfig, Trainer, export
+from eagle_jax.train.trainer import Checkpointer, OptimConfig, Trainer, export
 from builders import TRAIN_CFG as CFG
 from builders import train_setup as tiny_setup
 
@@ -52,6 +52,21 @@ def test_exported_head_loads_back_with_the_same_draft_logits(setup, tmp_path):
     h = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, CFG.hidden_size)), jnp.float32)
     np.testing.assert_array_equal(np.asarray(trained.logprobs(tgt.model, h)), np.asarray(loaded.logprobs(tgt.model, h)))
     assert not np.allclose(np.asarray(trained.fc[...]), np.asarray(head.fc[...]))  # it did train
+
+
+def test_a_deadline_ends_training_with_a_logged_evaluated_checkpointed_step(setup, tmp_path):
+    import time
+
+    tgt, rows = setup
+    tr = Trainer(tgt, random_head(CFG, "eagle1", seed=0), OptimConfig(steps=50, batch_size=8, seq_len=32,
+                                                                    log_every=10, eval_every=20, checkpoint_every=20))
+    ck = Checkpointer(tmp_path / "ck", keep=2)
+    hist = tr.train(rows[:40], eval_rows=rows[40:48], checkpointer=ck, deadline=time.monotonic())
+    ck.wait()
+    assert tr.step == 1 and [h["step"] for h in hist] == [1] and len(hist[0]["eval_acc"]) == 1
+    again = Trainer(tgt, random_head(CFG, "eagle1", seed=0), OptimConfig(steps=50, batch_size=8, seq_len=32))
+    assert ck.restore_latest(again) and again.step == 1
+    ck.close()
 
 
 RUN = textwrap.dedent("""
