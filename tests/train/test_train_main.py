@@ -208,3 +208,64 @@ def test_jsonl_source_with_whole_conversations(tmp_path):
         "Write a limerick."]
     with pytest.raises(EvalContaminationError, match="turn 2"):
         collect_prompts(None, [{"kind": "jsonl", "path": str(f), "turns": "all"}], tmp_path / "d", tmp_path, "r.toml")
+
+
+def _campaign_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("accelerator_campaign", REPO / "train" / "accelerator_campaign.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_accelerator_campaign_carries_the_model_in_parts_and_refuses_a_wrong_one(tmp_path):
+    ac = _campaign_script()
+    model = tmp_path / "model.gguf"
+    model.write_bytes(bytes(range(256)) * 41 + b"tail")
+    folders = ac.pack(tmp_path / "carry", model, parts=3, wheels=False)
+    assert [len(list(f.glob("model.*"))) for f in folders] == [1, 1, 1] and (folders[-1] / "index.json").exists()
+    work = tmp_path / "device"
+    with pytest.raises(ac.CampaignError, match="model.0, model.1 were not stashed"):
+        ac.join(folders[-1], work)
+    for f in folders[:-1]:
+        ac.stash(f, work)
+    joined = ac.join(folders[-1], work)
+    assert joined.read_bytes() == model.read_bytes() and joined.parent.name == ac.PACKAGE
+    (work / "parts" / "model.1").write_bytes(b"x" * (work / "parts" / "model.1").stat().st_size)
+    with pytest.raises(ac.CampaignError, match="do not match"):
+        ac.join(folders[-1], work)
+
+
+@pytest.mark.slow
+def test_accelerator_campaign_run_answers_trains_and_unpacks(tiny_model_dir, tmp_path):
+    """`run` (the device call's job) on the tiny model: a time-boxed answer-and-train run whose shards, manifest
+    and head come back as files, and `unpack` adds the shards to a data directory the run continues."""
+    ac = _campaign_script()
+    jsonl = tmp_path / "extra.jsonl"
+    jsonl.write_text(json.dumps({"prompt": "Describe a lighthouse."}) + "\n")
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(RECIPE.format(model=tiny_model_dir, kind="eagle3", out=tmp_path / "run", jsonl=jsonl,
+                                    features="online"))
+    carried = tmp_path / "carried"  # no model parts or wheels: the tiny model is a directory here
+    carried.mkdir()
+    out = tmp_path / "out"
+    rc = ac.run(carried, out, recipe, ["--data-time-limit", "600", "--answer-batch-size", "8",
+                                       "--train-time-limit", "0.001", "--steps", "4"], work=tmp_path / "work")
+    assert rc == 0, (out / "log.txt").read_text()[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["new_shards"] == 3 and summary["answered"] == 9 and summary["train"]["steps"] == 1
+    assert {p.name for p in (out / "head").iterdir()} == {"config.json", "model.safetensors"}
+    # Unpacked where a recipe's data directory holds nothing yet: every shard and the manifest arrive.
+    here = tmp_path / "here.toml"
+    here.write_text(recipe.read_text().replace(f'dir = "{tmp_path / "run"}/data"', f'dir = "{tmp_path / "here"}"'))
+    (tmp_path / "here").mkdir()
+    ac.unpack(out, here, heads=tmp_path / "head-here")
+    assert sorted(p.name for p in (tmp_path / "here").glob("shard-*.npz")) == ["shard-00000.npz", "shard-00001.npz",
+                                                                               "shard-00002.npz"]
+    assert (tmp_path / "head-here" / "model.safetensors").exists()
+    manifest = json.loads((tmp_path / "here" / "manifest.json").read_text())
+    manifest["shards"][0] = "shard-other.npz"  # a directory the run's data does not continue
+    (tmp_path / "here" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ac.CampaignError, match="does not continue"):
+        ac.unpack(out, here, heads=tmp_path / "head-here")
