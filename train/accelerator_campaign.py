@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 from pathlib import Path
 
@@ -109,8 +110,9 @@ def join(folder: Path, work: Path = WORK) -> Path:
     return target
 
 
-def run(folder: Path, out: Path, recipe: Path, args: list[str], work: Path = WORK) -> int:
-    """Joins the model, installs the wheels, runs the recipe (time-boxed by `args`), packs the results."""
+def run(folder: Path, out: Path, recipe: Path, args: list[str], work: Path = WORK, budget: float | None = None) -> int:
+    """Joins the model, installs the wheels, runs the recipe (time-boxed by `args`; stopped after `budget`
+    seconds if it is still running, so the shards answered by then still come back), packs the results."""
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_COMPILATION_CACHE_DIR=str(work / "xla"))
     site = work / "site"
@@ -131,12 +133,17 @@ def run(folder: Path, out: Path, recipe: Path, args: list[str], work: Path = WOR
     t0 = time.monotonic()
     with open(out / "log.txt", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        watchdog = threading.Timer(budget, proc.terminate) if budget else None
+        if watchdog:
+            watchdog.start()
         last = ""
         for line in proc.stdout:
             sys.stdout.write(line)
             log.write(line)
             last = line if line.startswith("{") else last
         rc = proc.wait()
+        if watchdog:
+            watchdog.cancel()
     manifest = json.loads((data_dir / "manifest.json").read_text()) if (data_dir / "manifest.json").exists() else {}
     new = [s for s in manifest.get("shards", []) if s not in before]
     with tarfile.open(out / "data.tar", "w") as tar:
@@ -201,9 +208,12 @@ def main(argv=None) -> int:
     r.add_argument("folder", help="the last part's folder (with index.json and wheels)")
     r.add_argument("--out", required=True)
     r.add_argument("--recipe", default=str(RECIPE))
-    r.add_argument("--data-seconds", type=float, default=240)
-    r.add_argument("--train-seconds", type=float, default=180)
-    r.add_argument("--answer-batch-size", type=int, default=256)
+    # Sized for a ten-minute call: ~30 s to join and load, answers until 180 s, ~60 s to compile the
+    # training step, 150 s of training, then evaluation and export; stopped at 540 s whatever happens.
+    r.add_argument("--data-seconds", type=float, default=180)
+    r.add_argument("--train-seconds", type=float, default=150)
+    r.add_argument("--budget", type=float, default=540, help="seconds after which the job is stopped")
+    r.add_argument("--answer-batch-size", type=int, default=64, help="at most the recipe's shard size")
     r.add_argument("--batch-size", type=int, default=64)
     r.add_argument("--steps", type=int, default=600)
     u = sub.add_parser("unpack", help="add a run's shards and head here")
@@ -223,7 +233,7 @@ def main(argv=None) -> int:
             extra = ["--data-time-limit", str(args.data_seconds), "--answer-batch-size", str(args.answer_batch_size),
                      "--train-time-limit", str(args.train_seconds), "--batch-size", str(args.batch_size),
                      "--steps", str(args.steps)]
-            return run(Path(args.folder), Path(args.out), Path(args.recipe), extra)
+            return run(Path(args.folder), Path(args.out), Path(args.recipe), extra, budget=args.budget)
         else:
             print(json.dumps(unpack(Path(args.files), Path(args.recipe)), indent=1))
     except CampaignError as e:

@@ -256,6 +256,10 @@ def test_accelerator_campaign_run_answers_trains_and_unpacks(tiny_model_dir, tmp
     summary = json.loads((out / "summary.json").read_text())
     assert summary["new_shards"] == 3 and summary["answered"] == 9 and summary["train"]["steps"] == 1
     assert {p.name for p in (out / "head").iterdir()} == {"config.json", "model.safetensors"}
+    # Past its budget the job is stopped, and what it had written still comes back with the summary.
+    stopped = ac.run(carried, tmp_path / "out2", recipe, ["--steps", "4"], work=tmp_path / "work", budget=0.5)
+    assert stopped != 0 and json.loads((tmp_path / "out2" / "summary.json").read_text())["returncode"] == stopped
+    assert (tmp_path / "out2" / "data.tar").exists()
     # Unpacked where a recipe's data directory holds nothing yet: every shard and the manifest arrive.
     here = tmp_path / "here.toml"
     here.write_text(recipe.read_text().replace(f'dir = "{tmp_path / "run"}/data"', f'dir = "{tmp_path / "here"}"'))
