@@ -232,7 +232,7 @@ def main(argv=None) -> int:
         elif args.verb == "run":
             extra = ["--data-time-limit", str(args.data_seconds), "--answer-batch-size", str(args.answer_batch_size),
                      "--train-time-limit", str(args.train_seconds), "--batch-size", str(args.batch_size),
-                     "--steps", str(args.steps)]
+                     "--steps", str(args.steps), "--decay-steps", "0"]
             return run(Path(args.folder), Path(args.out), Path(args.recipe), extra, budget=args.budget)
         else:
             print(json.dumps(unpack(Path(args.files), Path(args.recipe)), indent=1))

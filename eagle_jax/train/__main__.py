@@ -136,6 +136,8 @@ def main(argv=None) -> int:
                     help="end training with the first step that ends after SECONDS of training: checkpointed and "
                          "exported as at the last step (rerun to continue)")
     ap.add_argument("--seq-len", type=int, help="override train.seq_len (tokens per conversation, longer ones cut)")
+    ap.add_argument("--decay-steps", type=int,
+                    help="override train.decay_steps (the warmup + cosine schedule's length; 0: the run's steps)")
     ap.add_argument("--out-dir", help="override train.out_dir (checkpoints, metrics, the exported head)")
     ap.add_argument("--init-from", help="override head.init_from: continue from this exported head directory")
     ap.add_argument("--distributed", action="store_true",
@@ -156,10 +158,12 @@ def main(argv=None) -> int:
         recipe["data"]["limit"] = args.limit
     if args.answer_batch_size is not None:
         recipe["data"]["batch_size"] = args.answer_batch_size
-    for flag in ("steps", "batch_size", "seq_len", "answer_batch_size", "data_time_limit", "train_time_limit"):
+    for flag in ("steps", "batch_size", "seq_len", "answer_batch_size", "data_time_limit", "train_time_limit",
+                 "decay_steps"):
         value = getattr(args, flag)
-        if value is not None and value <= 0:
-            print(f"error: --{flag.replace('_', '-')} must be positive, got {value}", file=sys.stderr)
+        if value is not None and (value < 0 if flag == "decay_steps" else value <= 0):
+            print(f"error: --{flag.replace('_', '-')} must be {'0 or more' if flag == 'decay_steps' else 'positive'}, "
+                  f"got {value}", file=sys.stderr)
             return 2
     if args.max_new_tokens is not None:
         recipe["data"]["max_new_tokens"] = args.max_new_tokens
@@ -231,8 +235,8 @@ def main(argv=None) -> int:
     if init_from is not None:
         print(f"[head] initialised from {init_from}", flush=True)
     tcfg = {k: v for k, v in recipe["train"].items() if k != "out_dir"}
-    for name in ("steps", "batch_size", "seq_len"):
-        if getattr(args, name):
+    for name in ("steps", "batch_size", "seq_len", "decay_steps"):
+        if getattr(args, name) is not None:
             tcfg[name] = getattr(args, name)
     ocfg = OptimConfig(**tcfg)
     if ocfg.group_by_length:

@@ -127,6 +127,8 @@ def test_recipe_runs_end_to_end_resumes_and_exports_a_loadable_head(tiny_model_d
     assert out.returncode == 2 and "init_from" in out.stderr and "256" in out.stderr
     out = _run_here(recipe, "--train-time-limit", "0")
     assert out.returncode == 2 and "--train-time-limit must be positive" in out.stderr
+    out = _run_here(recipe, "--decay-steps", "-1")
+    assert out.returncode == 2 and "--decay-steps must be 0 or more" in out.stderr
 
 
 def test_recipe_errors_name_the_problem(tmp_path):
@@ -251,7 +253,8 @@ def test_accelerator_campaign_run_answers_trains_and_unpacks(tiny_model_dir, tmp
     carried.mkdir()
     out = tmp_path / "out"
     rc = ac.run(carried, out, recipe, ["--data-time-limit", "600", "--answer-batch-size", "8",
-                                       "--train-time-limit", "0.001", "--steps", "4"], work=tmp_path / "work")
+                                       "--train-time-limit", "0.001", "--steps", "4",
+                                       "--decay-steps", "0"], work=tmp_path / "work")
     assert rc == 0, (out / "log.txt").read_text()[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["new_shards"] == 3 and summary["answered"] == 9 and summary["train"]["steps"] == 1
