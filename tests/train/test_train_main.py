@@ -259,6 +259,10 @@ def test_accelerator_campaign_run_answers_trains_and_unpacks(tiny_model_dir, tmp
     summary = json.loads((out / "summary.json").read_text())
     assert summary["new_shards"] == 3 and summary["answered"] == 9 and summary["train"]["steps"] == 1
     assert {p.name for p in (out / "head").iterdir()} == {"config.json", "model.safetensors"}
+    big = tmp_path / "big.bin"  # a head's weights over a device call's 16 MiB come back in pieces
+    big.write_bytes(bytes(range(256)) * 4000)
+    ac.copy_in_pieces(big, out / "head", limit=300_000)
+    assert sorted(p.name for p in (out / "head").glob("big.bin.piece-*")) == [f"big.bin.piece-{i}" for i in range(4)]
     # Past its budget the job is stopped, and what it had written still comes back with the summary.
     stopped = ac.run(carried, tmp_path / "out2", recipe, ["--steps", "4"], work=tmp_path / "work", budget=0.5)
     assert stopped != 0 and json.loads((tmp_path / "out2" / "summary.json").read_text())["returncode"] == stopped
@@ -271,6 +275,7 @@ def test_accelerator_campaign_run_answers_trains_and_unpacks(tiny_model_dir, tmp
     assert sorted(p.name for p in (tmp_path / "here").glob("shard-*.npz")) == ["shard-00000.npz", "shard-00001.npz",
                                                                                "shard-00002.npz"]
     assert (tmp_path / "head-here" / "model.safetensors").exists()
+    assert (tmp_path / "head-here" / "big.bin").read_bytes() == big.read_bytes()
     manifest = json.loads((tmp_path / "here" / "manifest.json").read_text())
     manifest["shards"][0] = "shard-other.npz"  # a directory the run's data does not continue
     (tmp_path / "here" / "manifest.json").write_text(json.dumps(manifest))
