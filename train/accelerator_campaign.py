@@ -124,8 +124,7 @@ def run(folder: Path, out: Path, recipe: Path, args: list[str], work: Path = WOR
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                         "--upgrade", "--target", str(site), *map(str, wheels)], check=True)
     env["PYTHONPATH"] = os.pathsep.join([str(site), str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    data_dir = Path(recipe_value(recipe, "data", "dir"))
-    data_dir = data_dir if data_dir.is_absolute() else REPO / data_dir
+    data_dir = recipe_data_dir(recipe)
     before = set(json.loads((data_dir / "manifest.json").read_text())["shards"]) \
         if (data_dir / "manifest.json").exists() else set()
     run_dir = work / "run"
@@ -176,17 +175,18 @@ def copy_in_pieces(src: Path, folder: Path, limit: int = PIECE) -> None:
         (folder / f"{src.name}.piece-{i // limit}").write_bytes(data[i: i + limit])
 
 
-def recipe_value(recipe: Path, section: str, key: str):
+def recipe_data_dir(recipe: Path) -> Path:
+    """The recipe's data directory (a relative one is under the repository)."""
     import tomllib
 
-    return tomllib.loads(recipe.read_text())[section][key]
+    path = Path(tomllib.loads(recipe.read_text())["data"]["dir"])
+    return path if path.is_absolute() else REPO / path
 
 
 def unpack(files: Path, recipe: Path = RECIPE, heads: Path = REPO / "runs" / "accelerator-head") -> dict:
     """Adds a run's shards to the recipe's data directory, if its manifest continues the one here, and copies
     its head to `heads`. Returns the run's summary."""
-    data_dir = Path(recipe_value(recipe, "data", "dir"))
-    data_dir = data_dir if data_dir.is_absolute() else REPO / data_dir
+    data_dir = recipe_data_dir(recipe)
     with tarfile.open(files / "data.tar") as tar:
         names = tar.getnames()
         if "manifest.json" in names:
