@@ -16,7 +16,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from eagle_jax.config import rope_inv_freq
-from eagle_jax.kv_cache import read_rows, write_rows
+from eagle_jax.kv_cache import write_rows
 from eagle_jax.moe import moe_mlp
 from eagle_jax.quant import matmul
 from pallas_kernels import paged_tree_attention, tree_attention
@@ -118,8 +118,7 @@ def attend(q, k_cache, v_cache, table, lengths, tree_mask, window, key_starts):
     if table is not None:
         return paged_tree_attention(q, k_cache, v_cache, table, lengths, tree_mask, window=window,
                                     key_starts=key_starts)
-    return tree_attention(q, read_rows(k_cache, None, window), read_rows(v_cache, None, window), lengths, tree_mask,
-                          key_starts=key_starts)
+    return tree_attention(q, k_cache, v_cache, lengths, tree_mask, window=window, key_starts=key_starts)
 
 
 def sliding_window(positions, tree_mask, size: int):

@@ -16,6 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.layout import slot_visibility
+
 
 def paged_tree_attention_chunked(q, k_pool, v_pool, table, lengths, tree_mask, *, key_starts=None,
                                  chunk: int = 128):
@@ -43,15 +45,8 @@ def paged_tree_attention_chunked(q, k_pool, v_pool, table, lengths, tree_mask, *
         blocks = jax.lax.dynamic_slice_in_dim(table, i * per, per, axis=1)  # [B, per]
         kc = jnp.take(k_pool, blocks, axis=0, mode="fill", fill_value=0).reshape(b, c, kv, d)
         vc = jnp.take(v_pool, blocks, axis=0, mode="fill", fill_value=0).reshape(b, c, kv, d)
-        rel = i * c + jnp.arange(c)[None, :] - lengths[:, None]  # [B, C]: slot relative to the tree start
-        in_prefix, in_tree = rel < 0, (rel >= 0) & (rel < m)
-        tree_vis = jnp.take_along_axis(tree_mask, jnp.broadcast_to(jnp.clip(rel, 0, m - 1)[:, None, :], (b, n, c)),
-                                       axis=2)
-        prefix_vis = in_prefix[:, None, :]
-        if key_starts is not None:
-            prefix_vis = prefix_vis & (i * c + jnp.arange(c)[None, None, :] >= key_starts[:, :, None])
-        visible = prefix_vis | (in_tree[:, None, :] & tree_vis)  # [B, N, C]
-        vc = jnp.where((in_prefix | in_tree)[:, :, None, None], vc, 0)  # slots past the tree may hold NaN
+        visible, live = slot_visibility(lengths, tree_mask, i * c + jnp.arange(c, dtype=jnp.int32), key_starts)
+        vc = jnp.where(live[:, :, None, None], vc, 0)  # slots past the tree may hold NaN
         s = jnp.einsum("BNKGD,BCKD->BKGNC", qg, kc, preferred_element_type=jnp.float32)
         s = jnp.where(visible[:, None, None], s, -jnp.inf)
         new_top = jnp.maximum(top, s.max(axis=-1))

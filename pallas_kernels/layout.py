@@ -180,3 +180,17 @@ def paged_operands(q, k_pool, v_pool, block_table, lengths, tree_mask, *, entrie
             paged_tree_keys(v_pool, table, lengths, m, m_padded, num_slots),
             row_mask(tree_mask, lengths, num_slots, g, rows_padded, m_padded))
 
+
+def slot_visibility(lengths, tree_mask, slots, key_starts=None):
+    """(visible [B, N, C], live [B, C]) for cache slots `slots` [C] (int32): which slots each query sees
+    (the prefix [key_starts or 0, length), and tree keys [length, length + M) per tree_mask), and which
+    slots are inside prefix or tree at all (the only ones whose values may be read)."""
+    b, n, m = tree_mask.shape
+    rel = slots[None, :] - lengths[:, None]  # [B, C]: slot relative to the tree's first key
+    in_prefix, in_tree = rel < 0, (rel >= 0) & (rel < m)
+    tree_vis = jnp.take_along_axis(tree_mask, jnp.broadcast_to(jnp.clip(rel, 0, m - 1)[:, None, :],
+                                                               (b, n, slots.shape[0])), axis=2)
+    prefix_vis = in_prefix[:, None, :]
+    if key_starts is not None:
+        prefix_vis = prefix_vis & (slots[None, None, :] >= key_starts[:, :, None])
+    return prefix_vis | (in_tree[:, None, :] & tree_vis), in_prefix | in_tree

@@ -17,12 +17,15 @@ A causal mask makes this ordinary prefill / decode attention (N = 1 is a decode 
 runs all of its attention through this one function.
 
 Implementations (same signature, same numbers up to rounding):
-  "reference"  pure jnp, below; XLA fuses it well enough on CPU.
+  "reference"  pure jnp, below: the definition every other implementation is tested against.
+  "cpu"        pure jnp arranged for XLA:CPU (pallas_kernels/cpu.py): with few queries per row a loop
+               over rows reads each row's keys and values once, where they lie, as far as the row
+               reaches; more than cpu.MAX_QUERY_ROWS query rows per row go to the reference.
   "tpu"        Pallas Mosaic kernel (pallas_kernels/tpu.py).
   "gpu"        Pallas Triton kernel (pallas_kernels/gpu.py).
-`tree_attention` picks by `jax.default_backend()`: TPU -> "tpu", GPU -> "gpu", anything else ->
-"reference" (Pallas runs on CPU only in interpret mode, which is for tests: it is slow). Head shapes
-a compiled kernel does not take (see `_kernel_takes`) fall back to the reference.
+`tree_attention` picks by `jax.default_backend()`: TPU -> "tpu", GPU -> "gpu", CPU -> "cpu", anything
+else -> "reference" (Pallas runs on CPU only in interpret mode, which is for tests: it is slow). Head
+shapes a compiled kernel does not take (see `_kernel_takes`) fall back to the reference.
 `use_implementation(...)` overrides that choice for everything traced inside it, e.g. to run the
 whole engine through an interpreted kernel in a test.
 
@@ -40,8 +43,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.block_sizes import BlockSizes
+from pallas_kernels.layout import slot_visibility
 
-IMPLEMENTATIONS = ("reference", "tpu", "gpu")
+IMPLEMENTATIONS = ("reference", "cpu", "tpu", "gpu")
 
 
 def tree_attention_reference(q, k_cache, v_cache, lengths, tree_mask, *, key_starts=None,
@@ -53,21 +57,11 @@ def tree_attention_reference(q, k_cache, v_cache, lengths, tree_mask, *, key_sta
     s, k = k_cache.shape[1], k_cache.shape[2]
     g = hq // k
     qg = q.reshape(b, n, k, g, d)
-    m = tree_mask.shape[-1]  # tree keys; equals N except for draft expansion (queries = one frontier)
-    rel = jnp.arange(s)[None, :] - lengths[:, None]  # [B, S] slot index relative to the tree start
-    in_prefix = rel < 0
-    in_tree = (rel >= 0) & (rel < m)
-    tree_vis = jnp.take_along_axis(
-        tree_mask, jnp.broadcast_to(jnp.clip(rel, 0, m - 1)[:, None, :], (b, n, s)), axis=2
-    )  # [B, N, S]
-    prefix_vis = in_prefix[:, None, :]  # [B, 1 or N, S]
-    if key_starts is not None:
-        prefix_vis = prefix_vis & (jnp.arange(s)[None, None, :] >= key_starts[:, :, None])
-    visible = prefix_vis | (in_tree[:, None, :] & tree_vis)  # [B, N, S]
+    # Tree keys M equal N except for draft expansion (queries = one frontier).
+    visible, live = slot_visibility(lengths, tree_mask, jnp.arange(s, dtype=jnp.int32), key_starts)  # [B,N,S], [B,S]
     # Slots past the tree may hold garbage (NaN). Scores of hidden slots are replaced below; their
     # values must be zeroed too, or 0-weight * NaN would leak into the output.
-    live = (in_prefix | in_tree)[:, :, None, None]  # [B, S, 1, 1]
-    v_live = jnp.where(live, v_cache, 0)
+    v_live = jnp.where(live[:, :, None, None], v_cache, 0)
     scale = 1.0 / jnp.sqrt(jnp.float32(d))
     scores = jnp.einsum(
         "BNKGD,BSKD->BKGNS", qg, k_cache, preferred_element_type=jnp.float32
@@ -96,8 +90,8 @@ def _check_implementation(name):
 
 
 def default_implementation() -> str:
-    """The kernel for the default backend: "tpu", "gpu" or (CPU and anything else) "reference"."""
-    return {"tpu": "tpu", "gpu": "gpu"}.get(jax.default_backend(), "reference")
+    """The kernel for the default backend: "tpu", "gpu", "cpu" or (anything else) "reference"."""
+    return {"tpu": "tpu", "gpu": "gpu", "cpu": "cpu"}.get(jax.default_backend(), "reference")
 
 
 def _kernel_takes(implementation: str, q, k_cache) -> bool:
@@ -142,25 +136,34 @@ def resolve_implementation(implementation: str | None, interpret, block_sizes: B
         block_sizes = forced.block_sizes if block_sizes is None else block_sizes
     if implementation is None:
         implementation = default_implementation()
-        if implementation != "reference" and not interpret and not _kernel_takes(implementation, q, k_cache):
+        if implementation in ("tpu", "gpu") and not interpret and not _kernel_takes(implementation, q, k_cache):
             implementation = "reference"
     _check_implementation(implementation)
     return implementation, interpret, block_sizes
 
 
-def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, key_starts=None, interpret=False,
-                   implementation: str | None = None, block_sizes: BlockSizes | None = None):
+def tree_attention(q, k_cache, v_cache, lengths, tree_mask, *, key_starts=None, window: int | None = None,
+                   interpret=False, implementation: str | None = None, block_sizes: BlockSizes | None = None):
     """Tree attention through the best implementation for the backend (see the module docstring).
 
     q [B, N, Hq, D]; caches [B, S, Hkv, D] with the tree's keys at [length, length + M); lengths [B]
     int32; tree_mask [B, N, M] bool; key_starts [B, N] int32 or None (a sliding window: the first prefix
-    slot each query sees). Returns [B, N, Hq, D] in q's dtype.
+    slot each query sees); window (static int or None): only slots [0, window) are read, the caller
+    guaranteeing lengths + M <= window (the CPU implementation reads them in place; the others get the
+    window sliced off). Returns [B, N, Hq, D] in q's dtype.
 
     interpret: run the chosen kernel in Pallas interpret mode (tests); ignored by the reference.
     An explicit `implementation` wins over `use_implementation`, which wins over the backend default.
     """
     implementation, interpret, block_sizes = resolve_implementation(implementation, interpret, block_sizes, q,
                                                                     k_cache)
+    if implementation == "cpu":
+        from pallas_kernels.cpu import MAX_QUERY_ROWS, tree_attention_rows
+
+        if q.shape[1] * q.shape[2] <= MAX_QUERY_ROWS:  # (more query rows: the reference, below)
+            return tree_attention_rows(q, k_cache, v_cache, lengths, tree_mask, key_starts=key_starts, window=window)
+    if window is not None:
+        k_cache, v_cache = k_cache[:, :window], v_cache[:, :window]
     if implementation == "tpu":
         from pallas_kernels.tpu import tree_attention_tpu  # kernel modules load only when used
 

@@ -23,7 +23,7 @@ KNOWN = {
     "target": {"model", "quantize"},
     "head": {"kind", "draft_vocab_size", "init_from_target_layer", "init_from", "seed", "export_dtype"},
     "data": {"dir", "sources", "max_new_tokens", "temperature", "top_p", "batch_size", "shard_size", "seed",
-             "holdout", "features", "features_dir", "limit"},
+             "holdout", "features", "features_dir", "limit", "continuous"},
     "train": {"out_dir"} | {f.name for f in dataclasses.fields(__import__(
         "eagle_jax.train.trainer", fromlist=["OptimConfig"]).OptimConfig)},
 }
@@ -211,7 +211,8 @@ def main(argv=None) -> int:
     stored = json.loads((data_dir / "prompts.json").read_text()) if (data_dir / "prompts.json").exists() else prompts
     data.generate_dataset(target, stored, data_dir, settings, limit=n_use,
                           progress=lambda n: print(f"[data] +{n} answers", flush=True),
-                          deadline=None if args.data_time_limit is None else time.monotonic() + args.data_time_limit)
+                          deadline=None if args.data_time_limit is None else time.monotonic() + args.data_time_limit,
+                          continuous=bool(d.get("continuous", False)))
     rows = data.read_dataset(data_dir)[:n_use]
     n_hold = max(1, int(len(rows) * float(d.get("holdout", 0.1))))
     train_rows, eval_rows = rows[:-n_hold], rows[-n_hold:]

@@ -230,7 +230,7 @@ def _prompts_sha(prompts: Sequence[Prompt]) -> str:
 
 def generate_dataset(target, prompts: Sequence[Prompt], out_dir,
                      settings: GenerationSettings = GenerationSettings(), limit: int | None = None,
-                     progress=None, deadline: float | None = None) -> dict:
+                     progress=None, deadline: float | None = None, continuous: bool = False) -> dict:
     """Writes shards of conversation token ids (prompts and the target's answers) to out_dir; resumable.
     Returns the manifest.
 
@@ -240,6 +240,9 @@ def generate_dataset(target, prompts: Sequence[Prompt], out_dir,
     deadline (a `time.monotonic()` value): no shard is started after it (a time-boxed run; rerun to go on).
     Greedy answers do not depend on the batch size, so a greedy directory may be continued with another
     `settings.batch_size` (a larger batch for a larger machine); sampled ones seed by batch and may not.
+    continuous: answer with continuous batching (`eagle_jax.train.answering`: `settings.batch_size` rows
+    kept full, a conversation's next turn queued as soon as its last answer ends) instead of static
+    batches; shards are the same prompts in the same order, written as each one's conversations are done.
     """
     import eagle_jax
 
@@ -268,6 +271,9 @@ def generate_dataset(target, prompts: Sequence[Prompt], out_dir,
         manifest = dict(old, prompts=len(prompts))
     tok = target.tokenizer
     end = len(prompts) if limit is None else min(limit, len(prompts))
+    if continuous:
+        _answer_continuously(target, prompts, out, manifest, settings, end, progress, deadline)
+        return manifest
     while manifest["done"] < end and (deadline is None or time.monotonic() < deadline):
         start = manifest["done"]
         stop = min(start + settings.shard_size, end)  # the last shard before `limit` may be short
@@ -297,23 +303,97 @@ def generate_dataset(target, prompts: Sequence[Prompt], out_dir,
                 if progress is not None:
                     progress(len(batch))
             k += 1
-        tokens, offsets, masks = [], [0], []
-        for i in range(start, stop):
-            tokens += conv[i]
-            masks += conv_mask[i]
-            offsets.append(len(tokens))
-        name = f"shard-{len(manifest['shards']):05d}.npz"
-        tmp = out / (name + ".tmp.npz")
-        np.savez_compressed(tmp, tokens=np.asarray(tokens, np.int32), offsets=np.asarray(offsets, np.int64),
-                 loss_mask=np.asarray(masks, np.uint8), prompt_index=np.arange(start, stop))
-        os.replace(tmp, out / name)  # a shard exists only once complete
-        manifest["shards"].append(name)
-        manifest["done"] = stop
-        manifest["answered_sha256"] = _prompts_sha(prompts[:stop])
-        tmp_m = out / "manifest.json.tmp"
-        tmp_m.write_text(json.dumps(manifest, indent=1))
-        os.replace(tmp_m, manifest_path)
+        _write_shard(out, manifest, prompts, start, stop, conv, conv_mask)
     return manifest
+
+
+def _write_shard(out: Path, manifest: dict, prompts, start: int, stop: int, conv: dict, conv_mask: dict) -> None:
+    """Writes conversations [start, stop) as the next shard and records it in the manifest (both atomic)."""
+    tokens, offsets, masks = [], [0], []
+    for i in range(start, stop):
+        tokens += conv[i]
+        masks += conv_mask[i]
+        offsets.append(len(tokens))
+    name = f"shard-{len(manifest['shards']):05d}.npz"
+    tmp = out / (name + ".tmp.npz")
+    np.savez_compressed(tmp, tokens=np.asarray(tokens, np.int32), offsets=np.asarray(offsets, np.int64),
+                        loss_mask=np.asarray(masks, np.uint8), prompt_index=np.arange(start, stop))
+    os.replace(tmp, out / name)  # a shard exists only once complete
+    manifest["shards"].append(name)
+    manifest["done"] = stop
+    manifest["answered_sha256"] = _prompts_sha(prompts[:stop])
+    tmp_m = out / "manifest.json.tmp"
+    tmp_m.write_text(json.dumps(manifest, indent=1))
+    os.replace(tmp_m, out / "manifest.json")
+
+
+def _answer_continuously(target, prompts, out: Path, manifest: dict, settings: GenerationSettings, end: int,
+                         progress, deadline: float | None) -> None:
+    """`generate_dataset`'s continuous path: every turn a request of one `ContinuousAnswerer`; conversations
+    are queued in prompt order (at most 4 shards ahead of the oldest unwritten one), each shard written once
+    all of its conversations are answered; after the deadline no new shard is started."""
+    import eagle_jax
+    from eagle_jax.train import answering
+
+    tok, size, base = target.tokenizer, settings.shard_size, manifest["done"]
+    turns: dict[int, list[str]] = {}
+    conv: dict[int, list[int]] = {}
+    conv_mask: dict[int, list[int]] = {}
+    answers: dict[int, list[list[int]]] = {}
+    complete: set[int] = set()
+    answered = 0  # turns answered since the last shard was written
+
+    with answering.ContinuousAnswerer(target, batch_size=settings.batch_size, max_new_tokens=settings.max_new_tokens,
+                                      temperature=settings.temperature, top_p=settings.top_p,
+                                      max_model_len=min(answering.MAX_MODEL_LEN, target.cfg.max_position)) as engine:
+        def finish(i: int, ids: list[int], a_ids) -> None:
+            nonlocal answered
+            a_ids = [int(t) for t in a_ids]
+            conv_mask[i] += [0] * (len(ids) - len(conv[i])) + [1] * len(a_ids)
+            conv[i] = ids + a_ids
+            answers[i].append(a_ids)
+            answered += 1
+            if len(answers[i]) < len(turns[i]):
+                start_turn(i)
+            else:
+                complete.add(i)
+
+        def start_turn(i: int) -> None:
+            k = len(answers[i])
+            ids = (_conversation_ids(tok, turns[i][0]) if k == 0 else
+                   conv[i] + _followup_ids(tok, turns[i][: k + 1], answers[i], target.eos_token_ids))
+            seed = settings.seed + i + k * TURN_SEED_STRIDE
+            if engine.fits(ids):
+                engine.submit((i, ids), ids, seed)
+            else:  # longer than a row holds: answered alone, at once
+                r = eagle_jax.generate(target, [ids], max_new_tokens=settings.max_new_tokens,
+                                       temperature=settings.temperature, top_p=settings.top_p, seed=seed, chat=False)
+                finish(i, ids, r.token_ids[0])
+
+        nxt = base  # the next conversation to start
+        while manifest["done"] < end:
+            while (nxt < end and nxt < manifest["done"] + 4 * size and engine.in_flight < settings.batch_size + 16
+                   and not ((nxt - base) % size == 0 and deadline is not None and time.monotonic() >= deadline)):
+                turns[nxt], conv[nxt], conv_mask[nxt], answers[nxt] = prompt_turns(prompts[nxt]), [], [], []
+                start_turn(nxt)
+                nxt += 1
+            while manifest["done"] < end:  # write every shard whose conversations are all answered
+                start, stop = manifest["done"], min(manifest["done"] + size, end)
+                if not all(i in complete for i in range(start, stop)):
+                    break
+                _write_shard(out, manifest, prompts, start, stop, conv, conv_mask)
+                for i in range(start, stop):
+                    del turns[i], conv[i], conv_mask[i], answers[i]
+                    complete.discard(i)
+                if progress is not None:
+                    progress(answered)
+                answered = 0
+            if engine.in_flight == 0:
+                if manifest["done"] >= end or nxt == manifest["done"]:  # all written, or stopped at the deadline
+                    break
+                continue  # (conversations answered alone completed a shard: go on)
+            (i, ids), a_ids, _ = engine.next_done()
+            finish(i, ids, a_ids)
 
 
 def read_dataset(out_dir) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -1,4 +1,4 @@
-"""The engine end to end with a Pallas kernel forced in place of the reference attention.
+"""The engine end to end with a Pallas kernel (or the CPU implementation) forced in place of the reference.
 
 Every attention call of the run (prompt prefill, plain decode with N = 1, draft expansion, tree
 verification) goes through the interpreted kernel, and greedy output must equal plain greedy decoding
@@ -30,22 +30,26 @@ NEW_TOKENS = 16
 def oracle_and_plain():
     tgt, head = oracle_pair(attn_scale=8.0)
     prompts = MORE_PROMPTS[:4]
-    plain = eagle_jax.generate(tgt, prompts, max_new_tokens=NEW_TOKENS)  # the reference path (CPU default)
+    jax.clear_caches()
+    with use_implementation("reference"):  # the reference path
+        plain = eagle_jax.generate(tgt, prompts, max_new_tokens=NEW_TOKENS)
+    jax.clear_caches()
     return tgt, head, prompts, plain
 
 
-@pytest.mark.parametrize("implementation", [pytest.param("tpu", marks=pytest.mark.slow), "gpu"])
+@pytest.mark.parametrize("implementation", [pytest.param("tpu", marks=pytest.mark.slow), "gpu", "cpu"])
 def test_greedy_with_the_kernel_forced_on_equals_plain_greedy(oracle_and_plain, implementation, monkeypatch):
     tgt, head, prompts, plain = oracle_and_plain
     module = importlib.import_module(f"pallas_kernels.{implementation}")
-    kernel = getattr(module, f"tree_attention_{implementation}")
+    name = "tree_attention_rows" if implementation == "cpu" else f"tree_attention_{implementation}"
+    kernel = getattr(module, name)
     traced = []
 
     def counting(*args, **kwargs):
         traced.append(args[4].shape)  # tree_mask [B, N, M]
         return kernel(*args, **kwargs)
 
-    monkeypatch.setattr(module, f"tree_attention_{implementation}", counting)
+    monkeypatch.setattr(module, name, counting)
     # The engine's step functions are jitted and the implementation is picked at trace time: drop
     # the traces made through the reference, and the kernel's afterwards.
     jax.clear_caches()
@@ -79,7 +83,8 @@ def test_a_verifier_that_ignores_the_tree_shape_fails_this_comparison(oracle_and
     monkeypatch.setattr(module, "tree_attention_reference", chain_attention)
     jax.clear_caches()
     try:
-        broken = eagle_jax.generate(tgt, prompts, draft=head, tree=TREE, max_new_tokens=NEW_TOKENS)
+        with use_implementation("reference"):
+            broken = eagle_jax.generate(tgt, prompts, draft=head, tree=TREE, max_new_tokens=NEW_TOKENS)
     finally:
         jax.clear_caches()
     assert broken.token_ids != plain.token_ids

@@ -126,6 +126,42 @@ def test_greedy_data_continues_with_another_batch_size_and_stops_at_its_deadline
         data.generate_dataset(tgt, prompts, tmp_path / "sampled", dataclasses.replace(sampled, batch_size=4))
 
 
+def test_continuous_batching_writes_the_shards_static_batches_write(tiny_with_real_tokenizer, tmp_path, monkeypatch):
+    """Every turn a request of the server's loop (rows refilled as answers end, later turns queued as soon
+    as the earlier answer ends): the same conversations, token for token, greedy and sampled; a directory
+    started with static batches goes on continuously; a deadline already past starts no shard; a turn
+    longer than a row holds is answered alone."""
+    import time
+
+    from eagle_jax.train import answering
+
+    tgt = tiny_with_real_tokenizer
+    prompts = [["Tell me about rivers.", "Shorter, please."], "Bake bread.", ["Chess?", "Why?", "Example?"],
+               "Tea.", ["Name a tree.", "Another one."], "Owls.", ["Rain.", "Snow?"], "Moss."]
+    for temperature in (0.0, 0.9):
+        settings = data.GenerationSettings(max_new_tokens=6, temperature=temperature, batch_size=3, shard_size=3,
+                                           seed=5)
+        static, cont = tmp_path / f"static{temperature}", tmp_path / f"cont{temperature}"
+        data.generate_dataset(tgt, prompts, static, settings)
+        if temperature == 0.0:  # started with static batches, stopped by a deadline, continued continuously
+            assert data.generate_dataset(tgt, prompts, cont, settings, limit=3)["done"] == 3
+            stopped = data.generate_dataset(tgt, prompts, cont, settings, deadline=time.monotonic(), continuous=True)
+            assert stopped["done"] == 3 and len(stopped["shards"]) == 1
+            monkeypatch.setattr(answering, "MAX_MODEL_LEN", 48)  # first turns fit (~34 + 6 tokens), later ones not
+        alone = []
+        generate = eagle_jax.generate
+        monkeypatch.setattr(eagle_jax, "generate", lambda *a, **k: alone.append(1) or generate(*a, **k))
+        grown = data.generate_dataset(tgt, prompts, cont, settings, continuous=True)
+        assert grown["done"] == 8 and len(grown["shards"]) == 3
+        assert len(alone) == (2 if temperature == 0.0 else 0)  # greedy: the second turns of prompts 4 and 6
+        a, b = data.read_dataset(static), data.read_dataset(cont)
+        assert len(a) == len(b) == 8
+        for (ta, ma), (tb, mb) in zip(a, b):
+            np.testing.assert_array_equal(ta, tb)
+            np.testing.assert_array_equal(ma, mb)
+        monkeypatch.undo()
+
+
 @pytest.mark.slow
 def test_multi_turn_conversations_hold_every_answer_under_the_loss_mask(tiny_with_real_tokenizer, tmp_path):
     tgt = tiny_with_real_tokenizer
@@ -351,3 +387,24 @@ def test_draft_vocab_keeps_the_most_frequent_answer_tokens():
     kept = np.arange(4) + d2t
     np.testing.assert_array_equal(kept, [5, 7, 9, 11])
     assert t2d.sum() == 4 and t2d[[5, 7, 9, 11]].all() and (d2t >= 0).all()
+
+
+@pytest.mark.slow  # the real target answering twice
+def test_answering_benchmark_compares_static_and_continuous_batches(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "answering.json"
+    proc = subprocess.run([sys.executable, "benchmarks/data_answering.py", "--start", "0", "--count", "3",
+                           "--warmup", "1", "--max-new-tokens", "5", "--batch-size", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=900, cwd=root, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["conversations"] == 3 and result["turns"] >= 3
+    tokens = [result["results"][mode]["answer_tokens"] for mode in ("static", "continuous")]
+    assert tokens[0] == tokens[1] and result["turns"] <= tokens[0] <= 5 * result["turns"]
+    assert result["identical_conversations"] == 3  # the same greedy answers both ways
+    assert "continuous / static" in proc.stdout
