@@ -30,6 +30,7 @@ import numpy as np  # noqa: E402
 import eagle_jax  # noqa: E402
 from eagle_jax import steps  # noqa: E402
 from eagle_jax.engine import engine_for  # noqa: E402
+from eagle_jax.loader import resolve_draft  # noqa: E402
 from eagle_jax.rows import attention_window  # noqa: E402
 from eagle_jax.sampling import SamplingParams  # noqa: E402
 from eagle_jax.tree import TreeConfig  # noqa: E402
@@ -41,7 +42,7 @@ IMPLEMENTATIONS = ("reference", "cpu")
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--head", default=None, help="draft head for --tree (default: the model's shipped head)")
+    ap.add_argument("--head", default=None, help="draft head directory for --tree (default: the model's shipped head)")
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--cache-len", type=int, default=1024)
     ap.add_argument("--lengths", type=int, nargs="+", default=[100, 300, 600, 900])
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
 
     target = eagle_jax.load_target(args.model, tokenizer=False)
     tree = TreeConfig.parse(args.tree) if args.tree else None
-    head = eagle_jax.load_draft(args.head or args.model, target) if tree is not None else None
+    head = resolve_draft(args.head or "default", target) if tree is not None else None
     eng = engine_for(target, head)
     b, n_new = args.batch_size, tree.tree_tokens if tree is not None else 1
     draft_len = args.cache_len + (steps.draft_extra([tree]) if tree is not None else 0)

@@ -133,3 +133,11 @@ def test_step_benchmark_times_both_implementations_on_the_real_target(tmp_path):
     for r in rows:
         assert r["reference_ms"] > 0 and r["cpu_ms"] > 0 and r["same_tokens"]  # same greedy tokens both ways
     assert "speedup" in proc.stdout
+    # A speculative step with the shipped head (the bench's batch-1 step).
+    proc = subprocess.run([sys.executable, "benchmarks/cpu_attention.py", "--batch-size", "1", "--cache-len", "256",
+                           "--lengths", "60", "--tree", "2,2,3", "--reps", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=root, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["tree"] == "2,2,3" and row["same_tokens"] and row["cpu_ms"] > 0
+    assert "2,2,3 tree decode step" in proc.stdout
